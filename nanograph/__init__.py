@@ -1,0 +1,5 @@
+"""nanograph: a small, readable LLM inference engine built around captured CUDA graphs for decode."""
+from nanograph.llm import LLM
+from nanograph.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams"]

@@ -1,0 +1,78 @@
+"""Engine knobs, validated once, before any weight is loaded.
+
+The defaults follow vLLM / nano-vllm. Everything derived from them (device, dtype, the HF model
+config, the effective max_model_len) is computed here too, so the rest of the engine reads
+plain, checked values.
+"""
+import os
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AutoConfig, PretrainedConfig
+
+from nanograph.utils.loader import resolve_model_dir
+
+LADDER_POLICIES = ("default", "pow2", "nano-vllm", "exp")
+
+
+@dataclass
+class Config:
+    model: str
+    device: str | None = None
+    dtype: str = "auto"
+    load_format: str = "auto"                  # "auto" (safetensors) or "dummy" (random weights)
+    max_model_len: int = 4096
+    max_num_seqs: int = 512
+    max_num_batched_tokens: int = 16384
+    kvcache_block_size: int = 256
+    num_kvcache_blocks: int | None = None      # None: as many as memory allows
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False
+    cuda_graph_max_bs: int | None = None       # None: sized from free memory; 0: no graphs
+    cuda_graph_sizes: list[int] | None = None  # explicit bucket ladder, overrides the policy
+    cuda_graph_policy: str = "default"         # one of LADDER_POLICIES, see cuda_graph.py
+    attention_backend: str = "auto"            # auto | flash_attn | triton | torch
+    enable_prefix_caching: bool = True
+    tensor_parallel_size: int = 1
+    seed: int = 0
+    model_dir: str = field(init=False)
+    hf_config: PretrainedConfig = field(init=False)
+    torch_dtype: torch.dtype = field(init=False)
+
+    def __post_init__(self):
+        self.device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        bs = self.kvcache_block_size
+        if bs < 16 or bs > 256 or bs & (bs - 1):
+            raise ValueError(f"kvcache_block_size must be a power of two in [16, 256], got {bs}")
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.num_kvcache_blocks is not None and self.num_kvcache_blocks < 1:
+            raise ValueError(f"num_kvcache_blocks must be >= 1, got {self.num_kvcache_blocks}")
+        if self.cuda_graph_policy not in LADDER_POLICIES:
+            raise ValueError(f"cuda_graph_policy must be one of {LADDER_POLICIES}, got {self.cuda_graph_policy!r}")
+        if self.attention_backend not in ("auto", "flash_attn", "triton", "torch"):
+            raise ValueError(f"attention_backend must be auto, flash_attn, triton or torch, got {self.attention_backend!r}")
+        if self.cuda_graph_sizes is not None and (not self.cuda_graph_sizes or min(self.cuda_graph_sizes) < 1):
+            raise ValueError(f"cuda_graph_sizes must be a non-empty list of batch sizes >= 1, got {self.cuda_graph_sizes}")
+        self.model_dir = resolve_model_dir(self.model, weights=self.load_format != "dummy")
+        if not os.path.exists(os.path.join(self.model_dir, "config.json")):
+            raise ValueError(f"model {self.model!r}: no config.json in {self.model_dir}")
+        self.hf_config = AutoConfig.from_pretrained(self.model_dir)
+        self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
+        self.torch_dtype = self._resolve_dtype()
+
+    def _resolve_dtype(self) -> torch.dtype:
+        if self.dtype != "auto":
+            dtype = getattr(torch, str(self.dtype).replace("torch.", ""), None)
+            if not isinstance(dtype, torch.dtype):
+                raise ValueError(f"dtype {self.dtype!r} is not a torch dtype")
+            return dtype
+        if not self.device.startswith("cuda"):
+            return torch.float32
+        dtype = getattr(self.hf_config, "dtype", None) or getattr(self.hf_config, "torch_dtype", None)
+        return dtype if dtype in (torch.float16, torch.bfloat16) else torch.bfloat16

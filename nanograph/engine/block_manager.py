@@ -1,0 +1,120 @@
+"""The PagedAttention block manager: fixed-size KV blocks, reference counts, prefix caching.
+
+The KV cache is one pool of `num_blocks` blocks of `block_size` token slots. A sequence owns a
+list of block ids (its block table), so it needs no contiguous memory and wastes at most one
+partly-filled block. Token t of a sequence lives in slot `block_table[t // B] * B + t % B`.
+
+Prefix caching: once a block is full *and its K/V computed*, it is registered under a hash of
+its tokens chained with the previous block's hash (xxhash64). Chaining makes the hash name the
+whole prefix, so equal hashes mean equal prefixes (the tokens are compared too, to be safe
+against collisions). A new sequence walks its full prompt blocks and shares every registered
+block it finds (ref_count += 1) instead of recomputing it. Blocks are registered after the step
+that computes them, never at allocation: a chunked prefill must not lend out a block whose K/V
+is still garbage.
+
+Freed blocks (ref_count 0) keep their hash and contents: they sit in the free queue as a cache
+and are reused by hits until they are handed out again. The queue is LRU: blocks are taken from
+its head and freed to its tail, a sequence's last blocks first, so shared prefixes live longest.
+"""
+from collections import deque
+
+import xxhash
+
+from nanograph.engine.sequence import Sequence
+
+
+def chain_hash(token_ids: list[int], prefix_hash: int) -> int:
+    h = xxhash.xxh64()
+    h.update(prefix_hash.to_bytes(8, "little"))
+    h.update(b"".join(t.to_bytes(4, "little") for t in token_ids))
+    return h.intdigest()
+
+
+class Block:
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash = -1            # -1: not registered in the prefix cache (xxh64 digests are >= 0)
+        self.token_ids: list[int] = []
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool):
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_block_ids: deque[int] = deque(range(num_blocks))
+        self.hash_to_block_id: dict[int, int] = {}
+        self.cache_hit_tokens = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_block_ids)
+
+    def _take_free_block(self) -> int:
+        block = self.blocks[self.free_block_ids.popleft()]
+        if block.hash != -1 and self.hash_to_block_id.get(block.hash) == block.block_id:
+            del self.hash_to_block_id[block.hash]  # evict its cached contents
+        block.hash, block.token_ids, block.ref_count = -1, [], 1
+        return block.block_id
+
+    def _cached_block(self, seq: Sequence, i: int, prefix_hash: int) -> Block | None:
+        tokens = seq.block_tokens(i)
+        if not self.enable_prefix_caching or len(tokens) < self.block_size:
+            return None
+        block_id = self.hash_to_block_id.get(chain_hash(tokens, prefix_hash))
+        if block_id is None or self.blocks[block_id].token_ids != tokens:
+            return None
+        return self.blocks[block_id]
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        return seq.num_blocks <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence) -> None:
+        """Give `seq` blocks for all its tokens, sharing the longest cached prefix."""
+        assert not seq.block_table
+        prefix_hash, hits = 0, 0
+        for i in range(seq.num_blocks):
+            block = self._cached_block(seq, i, prefix_hash) if hits == i else None
+            if block is None:
+                seq.block_table.append(self._take_free_block())
+                continue
+            if block.ref_count == 0:
+                self.free_block_ids.remove(block.block_id)
+            block.ref_count += 1
+            seq.block_table.append(block.block_id)
+            prefix_hash, hits = block.hash, hits + 1
+        # Even a fully cached prompt recomputes its last token: its logits give the next token.
+        seq.num_cached_tokens = min(hits * self.block_size, len(seq) - 1)
+        seq.num_computed_tokens = seq.num_cached_tokens
+        seq.num_hashed_blocks = hits
+        self.cache_hit_tokens += seq.num_cached_tokens
+
+    def register_computed_blocks(self, seq: Sequence) -> None:
+        """Enter the blocks of `seq` that are now full and computed into the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        for i in range(seq.num_hashed_blocks, seq.num_computed_tokens // self.block_size):
+            prefix_hash = self.blocks[seq.block_table[i - 1]].hash if i > 0 else 0
+            block = self.blocks[seq.block_table[i]]
+            if block.hash == -1:
+                block.token_ids = seq.block_tokens(i)
+                block.hash = chain_hash(block.token_ids, prefix_hash)
+                self.hash_to_block_id.setdefault(block.hash, block.block_id)
+            seq.num_hashed_blocks = i + 1
+
+    def free(self, seq: Sequence) -> None:
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_block_ids.append(block_id)
+        seq.block_table, seq.num_hashed_blocks = [], 0
+
+    def can_append(self, seq: Sequence) -> bool:
+        """Decode writes token len-1; it needs a new block when that token starts one."""
+        return len(seq.block_table) * self.block_size >= len(seq) or self.num_free_blocks > 0
+
+    def append_block_if_needed(self, seq: Sequence) -> None:
+        if len(seq.block_table) * self.block_size < len(seq):
+            seq.block_table.append(self._take_free_block())

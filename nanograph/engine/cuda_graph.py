@@ -1,0 +1,206 @@
+"""Captured decode graphs: record each decode batch shape once, replay it every step.
+
+Why: a decode step of a small model is hundreds of small kernels. Launched one by one from
+Python, the CPU cannot keep the GPU busy (at batch 1 the launches take longer than the math).
+A CUDA graph records the whole launch sequence once; a replay submits it with one call.
+
+What makes replay possible:
+- Static buffers. A graph replays fixed pointers, so every input lives in a buffer allocated
+  once for the largest bucket: token ids, positions, slot mapping, context lengths, and the
+  block tables [max_bs, max_blocks_per_seq]. They are slices of ONE int32 device tensor, so
+  `replay` fills one pinned host mirror and makes a single host-to-device copy per step.
+- Buckets. A graph also fixes the batch size, so we capture a ladder of sizes and run a batch of
+  n on the smallest bucket >= n. The rows n..bucket-1 are padding, neutralised by slot -1
+  (their K/V is written nowhere) and context length 0 (attention reads nothing); their logits
+  are computed and ignored. `padding waste` = padded rows / real rows measures the price;
+  batches above the largest bucket run eager.
+- One memory pool. Graphs are captured largest first into a shared pool: a smaller graph's
+  intermediates fit in memory the larger one already reserved, so the ladder costs about one
+  graph's activations, not the sum (the per-capture log shows the deltas). Each graph's logits
+  tensor lives in that pool too, and is read right after its replay, before anything else runs.
+- Warm-up. Each bucket runs once eagerly before capture, so Triton autotuning, torch.compile
+  and cuBLAS workspace allocations happen outside the recording.
+
+What still runs outside the graph each decode step: filling the host mirror and its copy, the
+sampler (per-request seeds and top-k/top-p branch on the host), and `.tolist()` of the tokens.
+The LM head is inside the graph.
+
+Ladder policies (`cuda_graph_policy`, or an explicit `cuda_graph_sizes`):
+- `pow2`: 1, 2, 4, ..., max_bs: few graphs, up to 100% padding just above a power of two;
+- `nano-vllm`: 1, 2, 4, 8, then every 16: little padding, many graphs;
+- `exp` (and `default`): 1, 2, 4, 8, then sizes shrinking geometrically by 4/5 down from max_bs
+  (after Megatron-Core's exponentially-decreasing ladder): padding at most 25% with a number of
+  graphs logarithmic in max_bs.
+"""
+import logging
+import time
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+from tqdm.auto import tqdm
+
+from nanograph.utils.context import AttentionMetadata, set_attention_metadata
+
+log = logging.getLogger("nanograph")
+
+
+def bucket_ladder(policy: str, max_bs: int) -> list[int]:
+    small = [s for s in (1, 2, 4, 8) if s < max_bs]
+    if policy == "pow2":
+        sizes = [1 << i for i in range(max_bs.bit_length())]
+    elif policy == "nano-vllm":
+        sizes = small + list(range(16, max_bs + 1, 16))
+    else:  # "exp" / "default"
+        sizes, s = list(small), max_bs
+        while s > 8:
+            sizes.append(s)
+            s = (s * 4 // 5) // 8 * 8  # keep sizes multiples of 8: GEMM tiles like them
+    return sorted(set(sizes + [max_bs]))
+
+
+def find_bucket(ladder: list[int], n: int) -> int | None:
+    """Smallest bucket that holds n rows; None when n is above the ladder (run eager)."""
+    return next((bs for bs in ladder if bs >= n), None)
+
+
+def graph_max_bs_from_memory(config, free_bytes: int) -> int:
+    """Largest batch whose graph activations (a few hidden-size vectors, the MLP, the logits per
+    row) fit in half the memory left after the KV cache."""
+    hf = config.hf_config
+    per_row = (6 * hf.hidden_size + 3 * hf.intermediate_size + 2 * hf.vocab_size) * config.torch_dtype.itemsize
+    return max(1, min(config.max_num_seqs, 512, free_bytes // 2 // per_row))
+
+
+class DecodeBuffers:
+    """The static inputs of every graph, as views into one flat int32 device tensor, mirrored by
+    one pinned host tensor (numpy view for cheap filling)."""
+
+    FIELDS = ("input_ids", "positions", "slot_mapping", "context_lens")
+
+    def __init__(self, max_bs: int, max_blocks: int, device):
+        self.max_bs, self.max_blocks = max_bs, max_blocks
+        size = max_bs * (len(self.FIELDS) + max_blocks)
+        self.device_flat = torch.zeros(size, dtype=torch.int32, device=device)
+        self.host_flat = torch.zeros(size, dtype=torch.int32, pin_memory=torch.device(device).type == "cuda")
+        self.host = self._views(self.host_flat.numpy())
+        self.dev = self._views(self.device_flat)
+        self.fill_padding(0, max_bs)
+        self.device_flat.copy_(self.host_flat)
+
+    def _views(self, flat):
+        n = self.max_bs
+        views = {name: flat[i * n:(i + 1) * n] for i, name in enumerate(self.FIELDS)}
+        views["block_tables"] = flat[len(self.FIELDS) * n:].reshape(n, self.max_blocks)
+        return views
+
+    def fill_padding(self, start: int, end: int) -> None:
+        """Rows start..end-1 become padding: token 0 at position 0, no slot, no context."""
+        for name, value in (("input_ids", 0), ("positions", 0), ("slot_mapping", -1), ("context_lens", 0)):
+            self.host[name][start:end] = value
+
+    def fill(self, step, bucket: int) -> None:
+        n = len(step.input_ids)
+        for name in self.FIELDS:
+            self.host[name][:n] = getattr(step, name)
+        for row, table in enumerate(step.block_tables):
+            self.host["block_tables"][row, :len(table)] = table
+        self.fill_padding(n, bucket)
+        used = len(self.FIELDS) * self.max_bs
+        # one copy for the 1-D fields, one for the rows of the block tables in use
+        self.device_flat[:used].copy_(self.host_flat[:used], non_blocking=True)
+        rows = slice(used, used + bucket * self.max_blocks)
+        self.device_flat[rows].copy_(self.host_flat[rows], non_blocking=True)
+
+
+class CudaGraphRunner:
+    def __init__(self, runner):
+        cfg = runner.config
+        self.runner, self.model = runner, runner.model
+        self.ladder: list[int] = []
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        self.replays: Counter = Counter()
+        self.eager_decode_steps = self.real_rows = self.padded_rows = 0
+        self.capture_seconds = 0.0
+        self.graph_memory = 0
+        if cfg.enforce_eager or cfg.cuda_graph_max_bs == 0:
+            return
+        if cfg.cuda_graph_sizes:
+            ladder = sorted(set(cfg.cuda_graph_sizes))
+        else:
+            max_bs = cfg.cuda_graph_max_bs or graph_max_bs_from_memory(cfg, torch.cuda.mem_get_info()[0])
+            if dist.is_initialized():  # every rank must capture the same ladder, or collectives deadlock
+                t = torch.tensor([max_bs], device=runner.device)
+                dist.all_reduce(t, op=dist.ReduceOp.MIN)
+                max_bs = int(t.item())
+            ladder = bucket_ladder(cfg.cuda_graph_policy, max_bs)
+        self.ladder = ladder
+        max_blocks = -(-cfg.max_model_len // cfg.kvcache_block_size)
+        self.buffers = DecodeBuffers(ladder[-1], max_blocks, runner.device)
+        self.capture()
+
+    def metadata(self, bs: int) -> AttentionMetadata:
+        dev = self.buffers.dev
+        return AttentionMetadata(False, dev["slot_mapping"][:bs], dev["context_lens"][:bs], dev["block_tables"][:bs])
+
+    def forward(self, bs: int) -> torch.Tensor:
+        dev = self.buffers.dev
+        set_attention_metadata(self.metadata(bs))
+        hidden = self.model(dev["input_ids"][:bs], dev["positions"][:bs])
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        start, pool = time.perf_counter(), None
+        torch.cuda.synchronize()
+        base_reserved = torch.cuda.memory_reserved()
+        reserved = base_reserved
+        for i, bs in enumerate(tqdm(self.ladder[::-1], desc="Capturing decode graphs", leave=False)):
+            self.forward(bs)  # warm-up: compile, autotune, allocate workspaces outside the graph
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.logits[bs] = self.forward(bs)
+            pool = graph.pool()
+            self.graphs[bs] = graph
+            torch.cuda.synchronize()
+            now_reserved, allocated = torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
+            log.info("[graph %d/%d] bs=%d pool reserved=%.1f MiB (delta %.1f MiB) allocated=%.1f MiB",
+                     i + 1, len(self.ladder), bs, now_reserved / 2**20, (now_reserved - reserved) / 2**20,
+                     allocated / 2**20)
+            reserved = now_reserved
+        set_attention_metadata(None)
+        self.capture_seconds = time.perf_counter() - start
+        self.graph_memory = reserved - base_reserved
+
+    def can_run(self, n: int) -> bool:
+        return bool(self.ladder) and n <= self.ladder[-1]
+
+    def count_eager_decode(self) -> None:
+        self.eager_decode_steps += 1
+
+    def replay(self, step) -> torch.Tensor:
+        n = len(step.input_ids)
+        bucket = find_bucket(self.ladder, n)
+        self.buffers.fill(step, bucket)
+        self.graphs[bucket].replay()
+        self.replays[bucket] += 1
+        self.real_rows += n
+        self.padded_rows += bucket - n
+        return self.logits[bucket][:n]
+
+    def stats(self) -> dict:
+        replayed = sum(self.replays.values())
+        decode_steps = replayed + self.eager_decode_steps
+        return {
+            "cuda_graph_sizes": list(self.ladder),
+            "num_graphs": len(self.graphs),
+            "capture_seconds": round(self.capture_seconds, 3),
+            "graph_memory_bytes": self.graph_memory,
+            "decode_steps": decode_steps,
+            "graph_replays": replayed,
+            "graph_hit_rate": replayed / decode_steps if decode_steps else 0.0,
+            "padding_waste": self.padded_rows / self.real_rows if self.real_rows else 0.0,
+            "replays_per_bucket": dict(sorted(self.replays.items())),
+        }

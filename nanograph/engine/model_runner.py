@@ -1,0 +1,175 @@
+"""ModelRunner: owns the model and the KV cache on one device, and runs one step at a time.
+
+A step goes: the scheduler's sequences -> `StepInput` (plain lists: the tokens to compute, their
+positions and cache slots, each sequence's context length and block table) -> tensors on the
+device -> forward (eager, or a CUDA-graph replay for decode) -> logits of each sequence's last
+token -> sampled token ids. `StepInput` is deliberately plain data: with tensor parallelism it
+is exactly what rank 0 sends the other ranks each step (see engine/tp.py).
+
+KV cache: one tensor [2, layers, blocks, block_size, kv_heads, head_dim], each layer's
+Attention holding views into it. Its size comes from memory: on CUDA, what is left of
+`gpu_memory_utilization` after the weights and the activation peak of the largest prefill
+(measured by a warm-up run); on the CPU a modest 1 GiB at most.
+"""
+from dataclasses import dataclass
+
+import torch
+
+from nanograph.config import Config
+from nanograph.engine.cuda_graph import CudaGraphRunner
+from nanograph.engine.sequence import Sequence
+from nanograph.layers.attention import resolve_backend
+from nanograph.layers.sampler import SamplingBatch, sample
+from nanograph.models.decoder import DecoderForCausalLM
+from nanograph.utils.context import AttentionMetadata, set_attention_metadata
+from nanograph.utils.loader import init_dummy_weights, load_weights
+
+CPU_KV_CACHE_BYTES = 1 << 30
+
+
+@dataclass
+class StepInput:
+    is_prefill: bool
+    input_ids: list[int]        # the tokens computed this step, all sequences concatenated
+    positions: list[int]
+    slot_mapping: list[int]     # cache slot of each of those tokens
+    context_lens: list[int]     # per sequence: keys to attend (cached + computed before + new)
+    block_tables: list[list[int]]
+    cu_seqlens_q: list[int]     # per sequence offsets into input_ids (len = sequences + 1)
+
+
+def build_step(seqs: list[Sequence], is_prefill: bool, block_size: int) -> StepInput:
+    step = StepInput(is_prefill, [], [], [], [], [], [0])
+    for seq in seqs:
+        start, end = seq.num_computed_tokens, seq.num_computed_tokens + seq.num_scheduled_tokens
+        step.input_ids += seq.token_ids[start:end]
+        step.positions += range(start, end)
+        step.slot_mapping += [seq.block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+        step.context_lens.append(end)
+        step.block_tables.append(seq.block_table)
+        step.cu_seqlens_q.append(len(step.input_ids))
+    return step
+
+
+class ModelRunner:
+    def __init__(self, config: Config):
+        self.config = config
+        hf = config.hf_config
+        self.device = torch.device(config.device)
+        self.block_size = config.kvcache_block_size
+        torch.manual_seed(config.seed)
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(config.torch_dtype)  # build the weights in their final dtype directly
+        with torch.device(self.device):
+            self.model = DecoderForCausalLM(hf)
+        torch.set_default_dtype(default_dtype)
+        if config.load_format == "dummy":
+            init_dummy_weights(self.model, config.seed)
+        else:
+            load_weights(self.model, config.model_dir)
+        self.backend = resolve_backend(config.attention_backend, self.device)
+        self.attention_layers = [layer.self_attn.attn for layer in self.model.model.layers]
+        for attn in self.attention_layers:
+            attn.backend = self.backend
+        self.num_kv_blocks = self.allocate_kv_cache()
+        self.graphs = CudaGraphRunner(self) if self.device.type == "cuda" else None
+
+    # ---- KV cache ------------------------------------------------------------------------
+    def allocate_kv_cache(self) -> int:
+        attn = self.model.model.layers[0].self_attn
+        shape = (len(self.attention_layers), self.block_size, attn.num_kv_heads, attn.head_dim)
+        block_bytes = 2 * shape[0] * shape[1] * shape[2] * shape[3] * self.config.torch_dtype.itemsize
+        num_blocks = self.config.num_kvcache_blocks
+        if num_blocks is None and self.device.type == "cuda":
+            peak = self.measure_activation_peak()
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = total * self.config.gpu_memory_utilization - (total - free) - peak
+            num_blocks = int(budget // block_bytes)
+        elif num_blocks is None:
+            needed = self.config.max_num_seqs * -(-self.config.max_model_len // self.block_size)
+            num_blocks = min(needed, CPU_KV_CACHE_BYTES // block_bytes)
+        if num_blocks < 1:
+            raise ValueError("no memory left for the KV cache: lower max_num_batched_tokens or raise "
+                             "gpu_memory_utilization")
+        self.bind_kv_cache(num_blocks, shape)
+        return num_blocks
+
+    def bind_kv_cache(self, num_blocks: int, shape: tuple[int, int, int, int]) -> None:
+        layers, block_size, heads, dim = shape
+        self.kv_cache = torch.zeros(2, layers, num_blocks, block_size, heads, dim,
+                                    dtype=self.config.torch_dtype, device=self.device)
+        for i, attn in enumerate(self.attention_layers):
+            attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+
+    def measure_activation_peak(self) -> int:
+        """Run the largest prefill the scheduler can send once, on a scratch cache just big
+        enough for it, and return the activation memory it peaked at."""
+        tokens = self.config.max_num_batched_tokens
+        num_seqs = max(1, min(self.config.max_num_seqs, tokens // self.config.max_model_len))
+        attn = self.model.model.layers[0].self_attn
+        blocks_per_seq = -(-tokens // num_seqs // self.block_size) + 1
+        self.bind_kv_cache(num_seqs * blocks_per_seq, (len(self.attention_layers), self.block_size,
+                                                       attn.num_kv_heads, attn.head_dim))
+        lens = [tokens // num_seqs] * num_seqs
+        step = StepInput(True, [0] * sum(lens), [], [], lens, [], [0])
+        for s, n in enumerate(lens):
+            table = list(range(s * blocks_per_seq, (s + 1) * blocks_per_seq))
+            step.positions += range(n)
+            step.slot_mapping += [table[p // self.block_size] * self.block_size + p % self.block_size for p in range(n)]
+            step.block_tables.append(table)
+            step.cu_seqlens_q.append(step.cu_seqlens_q[-1] + n)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        self.forward(step)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        self.bind_kv_cache(0, (len(self.attention_layers), self.block_size, attn.num_kv_heads, attn.head_dim))
+        torch.cuda.empty_cache()
+        return peak
+
+    # ---- one step --------------------------------------------------------------------------
+    def attention_metadata(self, step: StepInput) -> AttentionMetadata:
+        def tensor(data, dtype=torch.int32):
+            return torch.tensor(data, dtype=dtype, pin_memory=self.device.type == "cuda").to(self.device, non_blocking=True)
+        width = max(map(len, step.block_tables))
+        tables = [t + [-1] * (width - len(t)) for t in step.block_tables]
+        md = AttentionMetadata(step.is_prefill, tensor(step.slot_mapping, torch.int64), tensor(step.context_lens),
+                               tensor(tables))
+        if step.is_prefill:
+            md.cu_seqlens_q, md.host_cu_seqlens_q = tensor(step.cu_seqlens_q), step.cu_seqlens_q
+            md.max_seqlen_q = max(b - a for a, b in zip(step.cu_seqlens_q, step.cu_seqlens_q[1:]))
+            md.host_context_lens = step.context_lens
+        return md
+
+    @torch.inference_mode()
+    def forward(self, step: StepInput) -> torch.Tensor:
+        """Logits [sequences, vocab] of each sequence's last computed token."""
+        if not step.is_prefill and self.graphs is not None and self.graphs.can_run(len(step.input_ids)):
+            return self.graphs.replay(step)
+        if not step.is_prefill and self.graphs is not None:
+            self.graphs.count_eager_decode()
+        ids = torch.tensor(step.input_ids, dtype=torch.int64).to(self.device, non_blocking=True)
+        positions = torch.tensor(step.positions, dtype=torch.int64).to(self.device, non_blocking=True)
+        set_attention_metadata(self.attention_metadata(step))
+        hidden = self.model(ids, positions)
+        set_attention_metadata(None)
+        if step.is_prefill:
+            last = torch.tensor(step.cu_seqlens_q[1:], dtype=torch.int64).to(self.device, non_blocking=True) - 1
+            hidden = hidden[last]
+        return self.model.compute_logits(hidden)
+
+    def sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
+        params = [seq.params for seq in seqs]
+        vocab = self.config.hf_config.vocab_size
+        temps = torch.tensor([p.temperature for p in params], device=self.device)
+        top_ks = top_ps = None
+        if any(p.top_k > 0 or p.top_p < 1 for p in params):
+            top_ks = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=self.device)
+            top_ps = torch.tensor([p.top_p for p in params], device=self.device)
+        return SamplingBatch(temps, all(p.temperature == 0 for p in params), top_ks, top_ps,
+                             [seq.generator for seq in seqs])
+
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
+        logits = self.forward(build_step(seqs, is_prefill, self.block_size))
+        return sample(logits, self.sampling_batch(seqs)).tolist()

@@ -1,0 +1,48 @@
+"""One request as the engine sees it: its tokens, how far the KV cache covers them, its blocks.
+
+The central counter is `num_computed_tokens`: tokens [0, num_computed_tokens) have K/V in the
+cache. A step processes `num_scheduled_tokens` more (a prefill chunk, or 1 in decode). When the
+cache covers every token, the step's logits give the next token. Preemption (see scheduler.py)
+frees the blocks and resets the counter to 0: the tokens stay, their K/V is recomputed later.
+"""
+from enum import Enum, auto
+
+import torch
+
+from nanograph.sampling_params import SamplingParams
+
+
+class Status(Enum):
+    WAITING = auto()    # needs (more) prefill
+    RUNNING = auto()    # decoding
+    FINISHED = auto()
+
+
+class Sequence:
+    def __init__(self, seq_id: int, prompt: list[int], params: SamplingParams, block_size: int, device):
+        self.seq_id = seq_id
+        self.token_ids = list(prompt)
+        self.num_prompt_tokens = len(prompt)
+        self.params = params
+        self.block_size = block_size
+        self.status = Status.WAITING
+        self.block_table: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_scheduled_tokens = 0
+        self.num_hashed_blocks = 0   # leading blocks already registered in the prefix cache
+        self.num_cached_tokens = 0   # prompt tokens found in the prefix cache at the last admission
+        self.generator = None if params.seed is None else torch.Generator(device).manual_seed(params.seed)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def completion_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_blocks(self) -> int:
+        return -(-len(self) // self.block_size)
+
+    def block_tokens(self, i: int) -> list[int]:
+        return self.token_ids[i * self.block_size:(i + 1) * self.block_size]

@@ -1,0 +1,122 @@
+"""Attention over the paged KV cache, with three interchangeable backends.
+
+Every step an Attention layer does two things: write the new tokens' K/V into their cache slots
+(`slot_mapping`), then attend each query to its sequence's keys, found through the sequence's
+block table. Prefill steps pack many tokens of many sequences (a chunk may follow a cached
+prefix, so queries sit at the *end* of their context: causal masking is bottom-right aligned);
+decode steps have exactly one query per sequence.
+
+- `torch`: the reference. It gathers each sequence's K/V through its block table and calls
+  scaled_dot_product_attention with an explicit mask. Slow but obviously right; runs anywhere;
+  the oracle every other backend is tested against.
+- `triton`: nanograph's own kernels (nanograph/kernels), reading the cache in place. They
+  never synchronise with the host, so decode can be captured in a CUDA graph.
+- `flash_attn`: flash-attn's paged kernels, used when the package imports (needs block size 256).
+"""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanograph.utils.context import AttentionMetadata, get_attention_metadata
+
+
+def torch_store_kv(k, v, k_cache, v_cache, slot_mapping):
+    keep = slot_mapping >= 0
+    k_cache.view(-1, *k.shape[1:])[slot_mapping[keep]] = k[keep]
+    v_cache.view(-1, *v.shape[1:])[slot_mapping[keep]] = v[keep]
+
+
+def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """[num_blocks, block_size, H, D] through [S, nb] tables -> [S, nb * block_size, H, D]."""
+    return cache[block_tables.clamp(min=0)].flatten(1, 2)
+
+
+def torch_prefill(q, k_cache, v_cache, md: AttentionMetadata, scale: float) -> torch.Tensor:
+    out = torch.empty_like(q)
+    cu = md.host_cu_seqlens_q
+    for s, ctx in enumerate(md.host_context_lens):
+        k = gather_kv(k_cache, md.block_tables[s:s + 1])[0, :ctx].transpose(0, 1)  # [Hkv, ctx, D]
+        v = gather_kv(v_cache, md.block_tables[s:s + 1])[0, :ctx].transpose(0, 1)
+        qs = q[cu[s]:cu[s + 1]].transpose(0, 1)                                   # [Hq, n, D]
+        n = qs.shape[1]
+        # query i sits at position ctx - n + i and sees keys 0 .. ctx - n + i
+        mask = torch.arange(ctx, device=q.device)[None, :] <= torch.arange(ctx - n, ctx, device=q.device)[:, None]
+        o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[cu[s]:cu[s + 1]] = o.transpose(0, 1)
+    return out
+
+
+def torch_decode(q, k_cache, v_cache, md: AttentionMetadata, scale: float) -> torch.Tensor:
+    k = gather_kv(k_cache, md.block_tables).transpose(1, 2)  # [B, Hkv, L, D]
+    v = gather_kv(v_cache, md.block_tables).transpose(1, 2)
+    mask = torch.arange(k.shape[2], device=q.device)[None, :] < md.context_lens[:, None]
+    mask[:, 0] = True  # padded rows (context 0) attend to one junk key instead of producing NaN
+    o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :], scale=scale,
+                                       enable_gqa=True)
+    return o.squeeze(2)
+
+
+def triton_prefill(q, k_cache, v_cache, md: AttentionMetadata, scale: float) -> torch.Tensor:
+    from nanograph.kernels.paged_prefill import paged_prefill_attention
+    return paged_prefill_attention(q, k_cache, v_cache, md.cu_seqlens_q, md.context_lens, md.block_tables,
+                                   md.max_seqlen_q, scale)
+
+
+def triton_decode(q, k_cache, v_cache, md: AttentionMetadata, scale: float) -> torch.Tensor:
+    from nanograph.kernels.paged_decode import paged_decode_attention
+    return paged_decode_attention(q, k_cache, v_cache, md.block_tables, md.context_lens, scale)
+
+
+def triton_store_kv(k, v, k_cache, v_cache, slot_mapping):
+    from nanograph.kernels.kv_store import store_kv
+    store_kv(k, v, k_cache, v_cache, slot_mapping)
+
+
+def flash_attn_prefill(q, k_cache, v_cache, md: AttentionMetadata, scale: float) -> torch.Tensor:
+    from flash_attn import flash_attn_varlen_func
+    cu_k = F.pad(md.context_lens.cumsum(0, dtype=torch.int32), (1, 0))
+    return flash_attn_varlen_func(q, k_cache, v_cache, md.cu_seqlens_q, cu_k, md.max_seqlen_q,
+                                  max(md.host_context_lens), softmax_scale=scale, causal=True,
+                                  block_table=md.block_tables)
+
+
+def flash_attn_decode(q, k_cache, v_cache, md: AttentionMetadata, scale: float) -> torch.Tensor:
+    from flash_attn import flash_attn_with_kvcache
+    return flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=md.context_lens,
+                                   block_table=md.block_tables, softmax_scale=scale, causal=True).squeeze(1)
+
+
+BACKENDS = {  # name -> (store, prefill, decode)
+    "torch": (torch_store_kv, torch_prefill, torch_decode),
+    "triton": (triton_store_kv, triton_prefill, triton_decode),
+    "flash_attn": (triton_store_kv, flash_attn_prefill, flash_attn_decode),
+}
+
+
+def resolve_backend(name: str, device: torch.device) -> str:
+    if name != "auto":
+        return name
+    if device.type != "cuda":
+        return "torch"
+    try:
+        import flash_attn  # noqa: F401
+        return "flash_attn"
+    except ImportError:
+        return "triton"
+
+
+class Attention(nn.Module):
+    """Stores K/V for the new tokens, then attends. q: [tokens, Hq, D], k/v: [tokens, Hkv, D]."""
+
+    def __init__(self, head_dim: int, scale: float):
+        super().__init__()
+        self.head_dim, self.scale = head_dim, scale
+        self.backend = "torch"
+        self.k_cache = self.v_cache = torch.empty(0)  # bound to the cache by ModelRunner
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        md = get_attention_metadata()
+        store, prefill, decode = BACKENDS[self.backend]
+        store(k, v, self.k_cache, self.v_cache, md.slot_mapping)
+        attend = prefill if md.is_prefill else decode
+        return attend(q, self.k_cache, self.v_cache, md, self.scale)

@@ -1,0 +1,53 @@
+"""Rotary position embeddings (RoPE), with the Llama 3 and linear frequency scalings.
+
+Each pair of channels (i, i + d/2) of a query or key is rotated by the angle position * f_i,
+with frequencies f_i = theta^(-2i/d). Scaled variants only change the f_i, so we compute them
+once, then a table of cos/sin for every position up to max_position, and each step just
+indexes it by the token positions: no per-step trigonometry.
+"""
+import math
+
+import torch
+from torch import nn
+
+from nanograph.utils.compile import cuda_compiled
+
+
+def rope_frequencies(head_dim: int, rope: dict) -> torch.Tensor:
+    inv_freq = 1.0 / (rope.get("rope_theta", 10000.0) ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / rope["factor"]
+    if kind == "llama3":
+        # Long wavelengths are slowed down by `factor`, short ones kept, the band between blended.
+        factor, old_len = rope["factor"], rope["original_max_position_embeddings"]
+        low, high = rope["low_freq_factor"], rope["high_freq_factor"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(medium, blended, scaled)
+    raise ValueError(f"rope scaling type {kind!r} is not supported (default, linear, llama3 are)")
+
+
+@cuda_compiled
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [tokens, heads, head_dim]; cos/sin: [tokens, head_dim / 2]
+    x1, x2 = x.chunk(2, dim=-1)
+    cos, sin = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, max_position: int, rope: dict):
+        super().__init__()
+        freqs = torch.outer(torch.arange(max_position).float(), rope_frequencies(head_dim, rope))
+        self.register_buffer("cos", freqs.cos(), persistent=False)
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        cos, sin = self.cos[positions], self.sin[positions]
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

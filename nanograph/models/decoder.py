@@ -1,0 +1,126 @@
+"""One decoder-only transformer covering the Llama, Qwen2 and Qwen3 families.
+
+The three differ only in small switches read from the HF config:
+- Qwen2 (and Llama with `attention_bias`): a bias on the Q/K/V projections;
+- Qwen3: RMSNorm over each query and key head before rotary ("qk-norm"), no bias;
+- Llama 3.x: scaled rotary frequencies (see rotary.py); all: GQA, tied or untied LM head.
+
+The forward pass takes a flat batch of tokens ([num_tokens]), not [batch, seq]: prefill chunks of
+different lengths and decode tokens are concatenated, and attention finds each token's sequence
+through the per-step metadata. The parameter names match the HF checkpoints, except that
+q/k/v and gate/up are fused; `packed_modules` tells the loader how to fill the fused weights.
+"""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanograph.layers.attention import Attention
+from nanograph.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
+from nanograph.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from nanograph.layers.norm import RMSNorm
+from nanograph.layers.rotary import RotaryEmbedding
+from nanograph.utils.compile import cuda_compiled
+
+
+@cuda_compiled
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, cfg, rope: RotaryEmbedding):
+        super().__init__()
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        bias = getattr(cfg, "attention_bias", cfg.model_type == "qwen2")
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, self.head_dim, cfg.num_attention_heads,
+                                          cfg.num_key_value_heads, bias)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size,
+                                        bias and cfg.model_type != "qwen2")
+        self.qk_norm = cfg.model_type == "qwen3"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.rope = rope
+        self.attn = Attention(self.head_dim, self.head_dim ** -0.5)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.unflatten(-1, (self.num_heads, self.head_dim))
+        k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))
+        v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rope(positions, q, k)
+        return self.o_proj(self.attn(q, k, v).flatten(1))
+
+
+class DecoderMLP(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        bias = getattr(cfg, "mlp_bias", False)
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg, rope: RotaryEmbedding):
+        super().__init__()
+        self.self_attn = DecoderAttention(cfg, rope)
+        self.mlp = DecoderMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions, x, residual):
+        # residual carries the un-normalised stream; see norm.py
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        rope = dict(getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {})
+        rope.setdefault("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+        rotary = RotaryEmbedding(head_dim, cfg.max_position_embeddings, rope)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual)
+        return self.norm(x, residual)[0]
+
+
+class DecoderForCausalLM(nn.Module):
+    # checkpoint name fragment -> (fused parameter fragment, shard id)
+    packed_modules = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+                      "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+    def __init__(self, cfg):
+        super().__init__()
+        if cfg.model_type not in ("llama", "qwen2", "qwen3"):
+            raise ValueError(f"model_type {cfg.model_type!r} is not supported (llama, qwen2, qwen3 are)")
+        self.model = DecoderModel(cfg)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)

@@ -1,0 +1,40 @@
+"""Per-step attention metadata, set by the ModelRunner before each forward pass.
+
+The decoder layers are ordinary nn.Modules whose forward takes only hidden states and positions,
+exactly like a training model. Everything attention needs to find the paged KV cache (which
+slot each new token writes to, which blocks each sequence owns, how long each context is)
+changes every step, so the runner publishes it here and every Attention layer reads it.
+One global is the simplest honest way to do this: one forward pass runs at a time, and it keeps
+the model code free of plumbing.
+
+Under CUDA graphs the tensors in here are the graph runner's *static buffers*, so a replay sees
+whatever the runner copied into them just before.
+"""
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    is_prefill: bool
+    slot_mapping: torch.Tensor        # [num_tokens] cache slot of each new token, -1 = write nothing
+    context_lens: torch.Tensor        # [num_seqs] keys each sequence attends to (cached + new)
+    block_tables: torch.Tensor        # [num_seqs, max_blocks] int32, -1 past the last block
+    cu_seqlens_q: torch.Tensor | None = None   # [num_seqs + 1] prefill only: query offsets
+    max_seqlen_q: int = 0                       # prefill only
+    host_cu_seqlens_q: list[int] | None = None  # prefill only: the same on the host, so the
+    host_context_lens: list[int] | None = None  # torch backend can slice without syncing
+
+
+_metadata: AttentionMetadata | None = None
+
+
+def set_attention_metadata(metadata: AttentionMetadata | None) -> None:
+    global _metadata
+    _metadata = metadata
+
+
+def get_attention_metadata() -> AttentionMetadata:
+    assert _metadata is not None, "forward called outside ModelRunner (no attention metadata set)"
+    return _metadata

@@ -1,0 +1,58 @@
+"""Shared fixtures: tiny random HF checkpoints of each supported family, saved to a temp dir.
+
+No weights can be downloaded here, so every test builds its model from a transformers config
+class with a fixed seed and saves it (float32 safetensors + config + generation config).
+"""
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, Qwen2Config, Qwen3Config
+
+COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              max_position_embeddings=512, rms_norm_eps=1e-6, eos_token_id=1, bos_token_id=0)
+
+FAMILIES = {
+    "qwen3": lambda: Qwen3Config(**COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                 tie_word_embeddings=True, rope_theta=1e6),
+    "qwen2": lambda: Qwen2Config(**COMMON, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
+    "llama": lambda: LlamaConfig(**COMMON, num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False),
+    "llama3_rope": lambda: LlamaConfig(**COMMON, num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True,
+                                       rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 128},
+                                       rope_theta=500000.0),
+}
+
+
+def save_tiny_model(path, family: str, seed: int = 0) -> str:
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(FAMILIES[family](), dtype=torch.float32)
+    with torch.no_grad():  # larger-than-default weights so the greedy argmax is not a near-tie
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.2)
+    model.save_pretrained(path)
+    GenerationConfig(eos_token_id=1, bos_token_id=0).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """Factory: tiny_model("qwen3") -> path of a saved checkpoint (cached per family)."""
+    cache = {}
+
+    def make(family: str = "qwen3") -> str:
+        if family not in cache:
+            cache[family] = save_tiny_model(tmp_path_factory.mktemp(family), family)
+        return cache[family]
+    return make
+
+
+def hf_greedy(model_dir: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """The oracle: HF transformers' own generate, one prompt at a time, greedy, EOS ignored."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    outs = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False,
+                             eos_token_id=None, pad_token_id=0, min_new_tokens=max_tokens)
+        outs.append(out[0, len(prompt):].tolist())
+    return outs
