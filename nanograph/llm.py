@@ -124,5 +124,5 @@ class LLM:
                  "attention_backend": self.runner.backend}
         graphs = getattr(self.runner, "graphs", None)
         if graphs is not None:
-            stats.update(graphs.stats())
+            stats.update(graphs.stats.as_dict())
         return stats

@@ -35,6 +35,7 @@ Ladder policies (`cuda_graph_policy`, or an explicit `cuda_graph_sizes`):
 import logging
 import time
 from collections import Counter
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -113,6 +114,38 @@ class DecodeBuffers:
         self.device_flat[rows].copy_(self.host_flat[rows], non_blocking=True)
 
 
+@dataclass
+class GraphStats:
+    """What the graphs did: measured, not assumed."""
+    ladder: list[int] = field(default_factory=list)
+    capture_seconds: float = 0.0
+    graph_memory_bytes: int = 0
+    replays: Counter = field(default_factory=Counter)   # bucket -> replays
+    eager_decode_steps: int = 0
+    real_rows: int = 0
+    padded_rows: int = 0
+
+    def record_replay(self, bucket: int, rows: int) -> None:
+        self.replays[bucket] += 1
+        self.real_rows += rows
+        self.padded_rows += bucket - rows
+
+    def as_dict(self) -> dict:
+        replayed = sum(self.replays.values())
+        decode_steps = replayed + self.eager_decode_steps
+        return {
+            "cuda_graph_sizes": list(self.ladder),
+            "num_graphs": len(self.ladder),
+            "capture_seconds": round(self.capture_seconds, 3),
+            "graph_memory_bytes": self.graph_memory_bytes,
+            "decode_steps": decode_steps,
+            "graph_replays": replayed,
+            "graph_hit_rate": replayed / decode_steps if decode_steps else 0.0,
+            "padding_waste": self.padded_rows / self.real_rows if self.real_rows else 0.0,
+            "replays_per_bucket": dict(sorted(self.replays.items())),
+        }
+
+
 class CudaGraphRunner:
     def __init__(self, runner):
         cfg = runner.config
@@ -120,10 +153,7 @@ class CudaGraphRunner:
         self.ladder: list[int] = []
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
-        self.replays: Counter = Counter()
-        self.eager_decode_steps = self.real_rows = self.padded_rows = 0
-        self.capture_seconds = 0.0
-        self.graph_memory = 0
+        self.stats = GraphStats()
         if cfg.enforce_eager or cfg.cuda_graph_max_bs == 0:
             return
         if cfg.cuda_graph_sizes:
@@ -135,7 +165,7 @@ class CudaGraphRunner:
                 dist.all_reduce(t, op=dist.ReduceOp.MIN)
                 max_bs = int(t.item())
             ladder = bucket_ladder(cfg.cuda_graph_policy, max_bs)
-        self.ladder = ladder
+        self.ladder = self.stats.ladder = ladder
         max_blocks = -(-cfg.max_model_len // cfg.kvcache_block_size)
         self.buffers = DecodeBuffers(ladder[-1], max_blocks, runner.device)
         self.capture()
@@ -171,36 +201,16 @@ class CudaGraphRunner:
                      allocated / 2**20)
             reserved = now_reserved
         set_attention_metadata(None)
-        self.capture_seconds = time.perf_counter() - start
-        self.graph_memory = reserved - base_reserved
+        self.stats.capture_seconds = time.perf_counter() - start
+        self.stats.graph_memory_bytes = reserved - base_reserved
 
     def can_run(self, n: int) -> bool:
         return bool(self.ladder) and n <= self.ladder[-1]
-
-    def count_eager_decode(self) -> None:
-        self.eager_decode_steps += 1
 
     def replay(self, step) -> torch.Tensor:
         n = len(step.input_ids)
         bucket = find_bucket(self.ladder, n)
         self.buffers.fill(step, bucket)
         self.graphs[bucket].replay()
-        self.replays[bucket] += 1
-        self.real_rows += n
-        self.padded_rows += bucket - n
+        self.stats.record_replay(bucket, n)
         return self.logits[bucket][:n]
-
-    def stats(self) -> dict:
-        replayed = sum(self.replays.values())
-        decode_steps = replayed + self.eager_decode_steps
-        return {
-            "cuda_graph_sizes": list(self.ladder),
-            "num_graphs": len(self.graphs),
-            "capture_seconds": round(self.capture_seconds, 3),
-            "graph_memory_bytes": self.graph_memory,
-            "decode_steps": decode_steps,
-            "graph_replays": replayed,
-            "graph_hit_rate": replayed / decode_steps if decode_steps else 0.0,
-            "padding_waste": self.padded_rows / self.real_rows if self.real_rows else 0.0,
-            "replays_per_bucket": dict(sorted(self.replays.items())),
-        }

@@ -148,7 +148,7 @@ class ModelRunner:
         if not step.is_prefill and self.graphs is not None and self.graphs.can_run(len(step.input_ids)):
             return self.graphs.replay(step)
         if not step.is_prefill and self.graphs is not None:
-            self.graphs.count_eager_decode()
+            self.graphs.stats.eager_decode_steps += 1
         ids = torch.tensor(step.input_ids, dtype=torch.int64).to(self.device, non_blocking=True)
         positions = torch.tensor(step.positions, dtype=torch.int64).to(self.device, non_blocking=True)
         set_attention_metadata(self.attention_metadata(step))

@@ -53,8 +53,8 @@ class Scheduler:
                 break  # a chunk: the budget is spent, the rest of the prompt goes next step
             self.waiting.popleft()
             seq.status = Status.RUNNING
-            self.running.append(seq)
         if batch:
+            self.running.extend(s for s in batch if s.status == Status.RUNNING)
             return batch, True
 
         while self.running and len(batch) < self.max_num_seqs:

@@ -1,0 +1,49 @@
+"""Bad input gets a ValueError naming the request and the reason, before any work; the engine stays usable."""
+import pytest
+
+from nanograph import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model):
+    return LLM(tiny_model("qwen3"), kvcache_block_size=16, num_kvcache_blocks=8, max_model_len=256)
+
+
+@pytest.mark.parametrize("prompt, params, message", [
+    ([], SamplingParams(), "request 1: empty prompt"),
+    ([1] * 300, SamplingParams(), "request 1: prompt has 300 tokens, max_model_len=256"),
+    ([1, 320], SamplingParams(), "request 1: token id 320 is outside the vocabulary"),
+    ([1, -1], SamplingParams(), "request 1: token id -1"),
+    ("hello", SamplingParams(), "request 1: text prompt but model"),
+    ([1] * 100, SamplingParams(max_tokens=100), "request 1: needs up to 13 KV blocks"),
+])
+def test_bad_request_is_rejected_before_any_work(llm, prompt, params, message):
+    good = SamplingParams(temperature=0, max_tokens=4)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        llm.generate([[5, 6, 7], prompt], [good, params], use_tqdm=False)
+    assert not llm.scheduler.waiting and not llm.scheduler.running
+    assert llm.block_manager.num_free_blocks == 8
+    out = llm.generate([[5, 6, 7]], good, use_tqdm=False)   # still usable afterwards
+    assert len(out[0]["token_ids"]) == 4
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(max_tokens=0), "max_tokens must be >= 1"),
+    (dict(temperature=-0.5), "temperature must be >= 0"),
+    (dict(top_p=0.0), "top_p must be in"),
+    (dict(top_k=0), "top_k must be -1"),
+])
+def test_bad_sampling_params(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_unknown_model_path_and_bad_knobs(tmp_path, tiny_model):
+    with pytest.raises(ValueError, match="no such local directory"):
+        LLM(str(tmp_path / "missing" / "model"))
+    with pytest.raises(ValueError, match="could not be fetched from the hub"):
+        LLM("nanograph-test/definitely-not-a-model")
+    with pytest.raises(ValueError, match="kvcache_block_size must be a power of two"):
+        LLM(tiny_model("qwen3"), kvcache_block_size=24)
+    with pytest.raises(ValueError, match="cuda_graph_policy"):
+        LLM(tiny_model("qwen3"), cuda_graph_policy="fibonacci")
