@@ -1,0 +1,339 @@
+"""Triton kernels against slow, obvious pure-torch references.
+
+GPU tests carry the ``gpu`` marker and skip without CUDA. The ``*_interpreter``
+tests run the same kernels on tiny CPU shapes under the Triton interpreter, for
+developers without a GPU (slow; triton must be imported after the env is set):
+
+    TRITON_INTERPRET=1 NANOGRAPH_TRITON_INTERPRET=1 python -m pytest tests/test_kernels.py
+
+Cache poisoning: block 0 is filled with NaN and used as block-table padding, and
+the slots past each sequence's end in its last block are NaN too. A kernel that
+lets a key beyond the context leak into the result produces NaN and fails.
+"""
+
+import math
+import os
+
+import pytest
+import torch
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+requires_interpreter = pytest.mark.skipif(
+    not (os.environ.get("NANOGRAPH_TRITON_INTERPRET") == "1" and os.environ.get("TRITON_INTERPRET") == "1"),
+    reason="set TRITON_INTERPRET=1 NANOGRAPH_TRITON_INTERPRET=1 to run kernels in the Triton interpreter",
+)
+
+
+def kernels():
+    pytest.importorskip("triton")
+    from nanograph.kernels import kv_store, paged_decode, paged_prefill
+
+    return kv_store, paged_decode, paged_prefill
+
+
+# ---------------------------------------------------------------- references
+
+
+def gather_kv(cache, block_table, length):
+    """The first `length` tokens of one sequence: [length, Hkv, D]."""
+    block_size = cache.shape[1]
+    pos = torch.arange(length, device=cache.device)
+    slots = block_table.long()[pos // block_size] * block_size + pos % block_size
+    return cache.flatten(0, 1)[slots]
+
+
+def ref_attention(q, k, v, scale):
+    """q [M, Hq, D] are the last M positions of a context with keys k, v [L, Hkv, D]."""
+    m, length = q.shape[0], k.shape[0]
+    group = q.shape[1] // k.shape[1]
+    k = k.float().repeat_interleave(group, dim=1)
+    v = v.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("mhd,nhd->hmn", q.float(), k) * scale
+    q_pos = torch.arange(m, device=q.device) + length - m
+    visible = torch.arange(length, device=q.device)[None, :] <= q_pos[:, None]
+    probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+    return torch.einsum("hmn,nhd->mhd", probs, v)
+
+
+def ref_decode(q, k_cache, v_cache, block_tables, context_lens, scale):
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    for b, length in enumerate(context_lens.tolist()):
+        if length > 0:
+            k = gather_kv(k_cache, block_tables[b], length)
+            v = gather_kv(v_cache, block_tables[b], length)
+            out[b] = ref_attention(q[b : b + 1], k, v, scale)[0]
+    return out
+
+
+def ref_prefill(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale):
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    cu = cu_seqlens_q.tolist()
+    for s, length in enumerate(context_lens.tolist()):
+        k = gather_kv(k_cache, block_tables[s], length)
+        v = gather_kv(v_cache, block_tables[s], length)
+        out[cu[s] : cu[s + 1]] = ref_attention(q[cu[s] : cu[s + 1]], k, v, scale)
+    return out
+
+
+# ---------------------------------------------------------------- inputs
+
+
+def random_block_tables(lens, block_size, max_blocks, num_blocks, gen):
+    """Each sequence gets distinct, shuffled ids from 1..num_blocks-1; padding is block 0."""
+    ids = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    tables = torch.zeros(len(lens), max_blocks, dtype=torch.int32)
+    for s, length in enumerate(lens):
+        n = math.ceil(length / block_size)
+        tables[s, :n] = torch.tensor(ids[:n], dtype=torch.int32)
+        ids = ids[n:]
+    return tables
+
+
+def random_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, gen):
+    cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    cache[0] = float("nan")
+    return cache
+
+
+def poison_tails(cache, block_tables, lens):
+    block_size = cache.shape[1]
+    for s, length in enumerate(lens):
+        if length % block_size:
+            cache[block_tables[s, length // block_size], length % block_size :] = float("nan")
+
+
+def paged_inputs(lens, block_size, num_kv_heads, head_dim, dtype, gen, spare_blocks=2):
+    """Poisoned K/V caches and block tables with `spare_blocks` padding columns."""
+    blocks = [math.ceil(n / block_size) for n in lens]
+    max_blocks, num_blocks = max(blocks) + spare_blocks, sum(blocks) + 4
+    tables = random_block_tables(lens, block_size, max_blocks, num_blocks, gen)
+    caches = []
+    for _ in range(2):
+        cache = random_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, gen)
+        poison_tails(cache, tables, lens)
+        caches.append(cache)
+    return caches[0], caches[1], tables
+
+
+def query(num_tokens, num_q_heads, num_kv_heads, head_dim, dtype, gen):
+    """A q slice of a fused qkv projection output, so its rows are strided."""
+    qkv = torch.randn(num_tokens, num_q_heads + 2 * num_kv_heads, head_dim, generator=gen)
+    return qkv.to(dtype)[:, :num_q_heads]
+
+
+def decode_lens(batch, gen):
+    """Awkward context lengths (padded row 0 included) for batch sizes above 1."""
+    fixed = [1003, 1, 17, 300, 0, 64, 255]
+    extra = torch.randint(0, 1100, (max(0, batch - len(fixed)),), generator=gen).tolist()
+    return (fixed + extra)[:batch]
+
+
+def rel_err(out, ref):
+    return ((out.float() - ref).norm() / ref.norm()).item()
+
+
+def tolerance(dtype):
+    return 1e-5 if dtype == torch.float32 else 1e-2
+
+
+# ---------------------------------------------------------------- checks
+
+
+def check_store(device, dtype, block_size, head_dim, num_tokens, slot_dtype):
+    kv_store, _, _ = kernels()
+    gen = torch.Generator().manual_seed(0)
+    num_kv_heads, num_blocks = 4, math.ceil(num_tokens / block_size) + 3
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    kv = torch.randn(num_tokens, 2 * num_kv_heads, head_dim, generator=gen).to(dtype)
+    k, v = kv[:, :num_kv_heads], kv[:, num_kv_heads:]  # strided views, like a fused projection
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[::3] = -1  # padded rows
+
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    keep = slots >= 0
+    ref_k.flatten(0, 1)[slots[keep]] = k[keep]
+    ref_v.flatten(0, 1)[slots[keep]] = v[keep]
+
+    k_cache, v_cache = k_cache.to(device), v_cache.to(device)
+    kv_store.store_kv(k.to(device), v.to(device), k_cache, v_cache, slots.to(device, slot_dtype))
+    assert torch.equal(k_cache.cpu(), ref_k)
+    assert torch.equal(v_cache.cpu(), ref_v)
+
+
+def check_decode(device, dtype, block_size, group, head_dim, lens, num_kv_heads=2):
+    _, paged_decode, _ = kernels()
+    gen = torch.Generator().manual_seed(0)
+    k_cache, v_cache, tables = paged_inputs(lens, block_size, num_kv_heads, head_dim, dtype, gen)
+    q = query(len(lens), group * num_kv_heads, num_kv_heads, head_dim, dtype, gen)
+    context_lens = torch.tensor(lens, dtype=torch.int32)
+    scale = head_dim**-0.5
+
+    args = [t.to(device) for t in (q, k_cache, v_cache, tables, context_lens)]
+    out = paged_decode.paged_decode_attention(*args, scale)
+    ref = ref_decode(*args, scale)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) < tolerance(dtype)
+    assert not out[context_lens.to(device) == 0].any()
+
+
+def check_prefill(device, dtype, block_size, group, head_dim, seqs, num_kv_heads=2):
+    """seqs: (q_len, context_len) pairs; context_len > q_len means a cached prefix."""
+    _, _, paged_prefill = kernels()
+    gen = torch.Generator().manual_seed(0)
+    q_lens = [q_len for q_len, _ in seqs]
+    lens = [length for _, length in seqs]
+    k_cache, v_cache, tables = paged_inputs(lens, block_size, num_kv_heads, head_dim, dtype, gen)
+    q = query(sum(q_lens), group * num_kv_heads, num_kv_heads, head_dim, dtype, gen)
+    cu_seqlens_q = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
+    context_lens = torch.tensor(lens, dtype=torch.int32)
+    scale = head_dim**-0.5
+
+    q, k_cache, v_cache, cu_seqlens_q, context_lens, tables = (
+        t.to(device) for t in (q, k_cache, v_cache, cu_seqlens_q, context_lens, tables)
+    )
+    out = paged_prefill.paged_prefill_attention(
+        q, k_cache, v_cache, cu_seqlens_q, context_lens, tables, max(q_lens), scale
+    )
+    ref = ref_prefill(q, k_cache, v_cache, cu_seqlens_q, context_lens, tables, scale)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) < tolerance(dtype)
+
+
+# ---------------------------------------------------------------- GPU tests
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("block_size", [16, 256])
+@pytest.mark.parametrize("head_dim", [48, 128])
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
+def test_store_kv(dtype, block_size, head_dim, slot_dtype):
+    check_store("cuda", dtype, block_size, head_dim, 300, slot_dtype)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("block_size", [16, 64, 256])
+@pytest.mark.parametrize("group", [1, 2, 8])
+@pytest.mark.parametrize("head_dim", [48, 128])
+@pytest.mark.parametrize("batch", [1, 33])
+def test_decode(block_size, group, head_dim, batch):
+    lens = decode_lens(batch, torch.Generator().manual_seed(batch))
+    check_decode("cuda", torch.bfloat16, block_size, group, head_dim, lens)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("head_dim", [80, 128, 256])
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_decode_dtypes_and_head_dims(dtype, head_dim, block_size):
+    lens = decode_lens(9, torch.Generator().manual_seed(1))
+    check_decode("cuda", dtype, block_size, 4, head_dim, lens)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_decode_many_kv_heads_single_split():
+    # B * Hkv well above 2 * SMs: the plan degenerates to one split per (seq, head).
+    lens = decode_lens(33, torch.Generator().manual_seed(2))
+    check_decode("cuda", torch.bfloat16, 16, 1, 64, lens, num_kv_heads=16)
+
+
+PREFILL_SEQS = {
+    "single": [(300, 300)],
+    "mixed": [(17, 17), (1, 1), (300, 300), (5, 1000), (130, 1003), (64, 64), (1, 40)],
+    "many_short": None,  # 33 random sequences, built in the test
+}
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("block_size", [16, 64, 256])
+@pytest.mark.parametrize("group", [1, 2, 8])
+@pytest.mark.parametrize("head_dim", [48, 128])
+@pytest.mark.parametrize("case", list(PREFILL_SEQS))
+def test_prefill(block_size, group, head_dim, case):
+    seqs = PREFILL_SEQS[case]
+    if seqs is None:
+        gen = torch.Generator().manual_seed(3)
+        q_lens = torch.randint(1, 40, (33,), generator=gen)
+        seqs = list(zip(q_lens.tolist(), (q_lens + torch.randint(0, 200, (33,), generator=gen)).tolist()))
+    check_prefill("cuda", torch.bfloat16, block_size, group, head_dim, seqs)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("head_dim", [80, 128, 256])
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_prefill_dtypes_and_head_dims(dtype, head_dim, block_size):
+    check_prefill("cuda", dtype, block_size, 4, head_dim, PREFILL_SEQS["mixed"])
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_decode_cuda_graph_replay():
+    """Capture once, then replay with other context lengths and block tables (same shapes)."""
+    _, paged_decode, _ = kernels()
+    gen = torch.Generator().manual_seed(4)
+    batch, num_kv_heads, group, head_dim, block_size, max_blocks = 8, 2, 4, 128, 16, 70
+    num_blocks, scale, dtype = batch * max_blocks + 1, head_dim**-0.5, torch.bfloat16
+    k_cache = random_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, gen).cuda()
+    v_cache = random_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, gen).cuda()
+    q = torch.zeros(batch, group * num_kv_heads, head_dim, dtype=dtype, device="cuda")
+    tables = torch.zeros(batch, max_blocks, dtype=torch.int32, device="cuda")
+    context_lens = torch.zeros(batch, dtype=torch.int32, device="cuda")
+
+    def fill(lens):
+        q.copy_(torch.randn(q.shape, generator=gen))
+        tables.copy_(random_block_tables(lens, block_size, max_blocks, num_blocks, gen))
+        context_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+
+    fill([5, 1110, 1, 17, 300, 0, 64, 700])
+    stream = torch.cuda.Stream()  # warm up (compile) off the default stream before capture
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        paged_decode.paged_decode_attention(q, k_cache, v_cache, tables, context_lens, scale)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = paged_decode.paged_decode_attention(q, k_cache, v_cache, tables, context_lens, scale)
+
+    for lens in ([1120, 0, 0, 3, 16, 33, 512, 999], [0] * 8, [1] * 8, [1120] * 8):
+        fill(lens)
+        graph.replay()
+        ref = ref_decode(q, k_cache, v_cache, tables, context_lens, scale)
+        assert torch.isfinite(out).all()
+        if any(lens):
+            assert rel_err(out, ref) < 1e-2
+        assert not out[context_lens == 0].any()
+
+
+# ---------------------------------------------------------------- interpreter (CPU) tests
+
+
+@requires_interpreter
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_store_kv_interpreter(dtype):
+    check_store("cpu", dtype, 16, 48, 7, torch.int64)
+
+
+# The interpreter's tl.dot multiplies bfloat16 operands as their raw uint16 bit
+# patterns (triton 3.9), so the attention kernels use float16 as the half type here.
+@requires_interpreter
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("group,head_dim", [(1, 64), (4, 48)])
+def test_decode_interpreter(dtype, group, head_dim):
+    check_decode("cpu", dtype, 16, group, head_dim, [0, 1, 17, 40])
+
+
+@requires_interpreter
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("group,head_dim", [(1, 64), (4, 48)])
+def test_prefill_interpreter(dtype, group, head_dim):
+    check_prefill("cpu", dtype, 16, group, head_dim, [(1, 1), (17, 17), (5, 40), (70, 75)])
