@@ -1,5 +1,7 @@
 """The graph machinery: ladders, bucket lookup, static-buffer filling and padding, stats (CPU);
 graphs against eager end to end (GPU)."""
+import gc
+
 import pytest
 import torch
 
@@ -61,10 +63,12 @@ def run_both(path, prompts, params, **kwargs):
     from nanograph import LLM
     outs, stats = [], []
     for eager in (True, False):
+        kwargs.setdefault("num_kvcache_blocks", 512)
         llm = LLM(path, dtype="float32", kvcache_block_size=16, enforce_eager=eager, **kwargs)
         outs.append([o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)])
         stats.append(llm.stats())
         del llm
+        gc.collect()
         torch.cuda.empty_cache()
     return outs, stats
 
@@ -113,7 +117,7 @@ def test_bf16_graph_logits_close_to_eager(tiny_model):
     logits = []
     for eager in (True, False):
         llm = LLM(tiny_model("qwen3"), dtype="bfloat16", kvcache_block_size=16, enforce_eager=eager,
-                  cuda_graph_sizes=[4])
+                  cuda_graph_sizes=[4], num_kvcache_blocks=64)
         runner = llm.runner
         # greedy prefill only (eager in both): both caches end up holding the same K/V
         llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
@@ -142,7 +146,7 @@ def test_triton_backend_matches_torch_backend_end_to_end(tiny_model):
     outs = {}
     for backend in ("torch", "triton"):
         llm = LLM(tiny_model("llama"), dtype="float32", kvcache_block_size=16, enforce_eager=True,
-                  max_num_batched_tokens=48, attention_backend=backend)
+                  max_num_batched_tokens=48, attention_backend=backend, num_kvcache_blocks=128)
         llm.generate(prompts[:1], params, use_tqdm=False)
         outs[backend] = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
         assert llm.stats()["prefix_cache_hit_tokens"] > 0 and llm.stats()["attention_backend"] == backend

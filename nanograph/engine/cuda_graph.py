@@ -149,7 +149,7 @@ class GraphStats:
 class CudaGraphRunner:
     def __init__(self, runner):
         cfg = runner.config
-        self.runner, self.model = runner, runner.model
+        self.model = runner.model  # no reference back to the runner: no cycle keeping the cache alive
         self.ladder: list[int] = []
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}

@@ -1,0 +1,780 @@
+"""bench.py: how fast nanograph generates, what its CUDA graphs buy, and what they cost.
+
+What it measures (each section is a flag; with none, only the reference run):
+
+- reference run (default): the "nano-vllm workload" of DESIGN.md, 256 random prompts of 100-1024
+  tokens, each asking for 100-1024 new tokens (temperature 0.6, EOS ignored): 133,966 output
+  tokens in all. Throughput = output tokens / wall time of one `generate` call, after a warm-up
+  generate. Also prints the engine's own graph figures (`llm.stats()`) for that call alone.
+- `--compare`: the same workload on nanograph with CUDA graphs, nanograph eager
+  (`enforce_eager=True`) and HF transformers' continuous batching, one after the other in this
+  process, each on a freshly built model that is freed before the next one is built.
+- `--ladders`: the workload once per bucket-ladder policy (pow2, nano-vllm, exp, default): graphs
+  captured, capture time, graph memory, hit rate, padding waste, throughput.
+- `--decode-sweep`: the time of one decode step (the model's forward, no sampling) at batch sizes
+  1..256 and a fixed context length, replayed from a graph and run eagerly, plus a batch-1 latency
+  line (ms per generated token, sampling and scheduling included) against the weight-read floor:
+  the bytes of weights one token must read, divided by the copy bandwidth measured on this device.
+
+Why the numbers are comparable:
+- Every engine gets the same prompts (token ids, so no tokenizer is involved) and the same
+  per-request output lengths; EOS is disabled everywhere, so the work is fixed by the workload.
+- The model is the Qwen3-0.6B shape (or Qwen3-8B with `--shape qwen3-8b`) with random weights:
+  speed does not depend on the weights' values, and nothing has to be downloaded. Both engines
+  build the same shape from the same config.json, in the same dtype (bf16 on CUDA).
+- Only the generation is timed: model building, KV-cache allocation, graph capture and a warm-up
+  are outside the clock, for every engine alike (they are reported separately where they matter).
+- HF's `generate_batch` takes a single `max_new_tokens` for all requests, so bench drives its
+  `ContinuousBatchingManager` directly (`init_continuous_batching`, `add_request(...,
+  max_new_tokens=n)`, `get_result`), which is what `generate_batch` does underneath, with each
+  request's own length. By default HF runs only the first `--hf-seqs` sequences (it is ~30x
+  slower); its tokens/s on that subset is the figure to compare, and the table says so.
+
+`--quick --device cpu` runs every section on a tiny Qwen3 shape and workload in float32, for CI
+(graph-only parts are skipped on the CPU, with a note). `--json PATH` writes every figure,
+`--plot PATH` draws decode latency vs batch size and the throughput bars (needs matplotlib).
+"""
+import argparse
+import gc
+import inspect
+import json
+import os
+import platform
+import random
+import statistics
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+REFERENCE_OUTPUT_TOKENS = 133_966
+
+# Model shapes built from a config.json alone (load_format="dummy"): no download needed.
+_QWEN3_COMMON = dict(vocab_size=151936, head_dim=128, num_key_value_heads=8, rope_theta=1_000_000.0,
+                     max_position_embeddings=40960, rms_norm_eps=1e-6, eos_token_id=151645, bos_token_id=151643)
+SHAPES = {
+    "qwen3-0.6b": dict(_QWEN3_COMMON, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                       num_attention_heads=16, tie_word_embeddings=True),
+    "qwen3-8b": dict(_QWEN3_COMMON, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, tie_word_embeddings=False),
+    # --quick: small enough that the whole bench runs in seconds on two CPU cores
+    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, rope_theta=1_000_000.0, max_position_embeddings=4096,
+                 rms_norm_eps=1e-6, eos_token_id=1, bos_token_id=0, tie_word_embeddings=True),
+}
+LADDER_POLICIES = ("pow2", "nano-vllm", "exp", "default")
+
+
+# ---- workload ----------------------------------------------------------------------------------
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    max_tokens: list[int]
+    temperature: float = 0.6
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.prompts)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(map(len, self.prompts))
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.max_tokens)
+
+    def head(self, n: int) -> "Workload":
+        return Workload(self.prompts[:n], self.max_tokens[:n], self.temperature)
+
+    def sampling_params(self):
+        from nanograph import SamplingParams
+        return [SamplingParams(temperature=self.temperature, ignore_eos=True, max_tokens=n) for n in self.max_tokens]
+
+    def summary(self) -> dict:
+        return {"num_seqs": self.num_seqs, "prompt_tokens": self.prompt_tokens, "output_tokens": self.output_tokens}
+
+
+def make_workload(num_seqs: int = 256, min_input_len: int = 100, max_input_len: int = 1024, min_output_len: int = 100,
+                  max_output_len: int = 1024, max_token_id: int = 10000, seed: int = 0) -> Workload:
+    """nano-vllm's bench.py draws, in this order: all prompts, then all output lengths."""
+    rng = random.Random(seed)  # same stream as random.seed(seed) + random.randint
+    prompts = [[rng.randint(0, max_token_id) for _ in range(rng.randint(min_input_len, max_input_len))]
+               for _ in range(num_seqs)]
+    max_tokens = [rng.randint(min_output_len, max_output_len) for _ in range(num_seqs)]
+    return Workload(prompts, max_tokens)
+
+
+def reference_workload() -> Workload:
+    return make_workload()
+
+
+def quick_workload() -> Workload:
+    return make_workload(num_seqs=8, min_input_len=8, max_input_len=32, min_output_len=4, max_output_len=16,
+                         max_token_id=SHAPES["tiny"]["vocab_size"] - 1)
+
+
+def warmup_workload(quick: bool, max_token_id: int) -> Workload:
+    """A few sequences of the same kind on another random stream (so no prefix-cache hits on
+    the timed prompts): exercises prefill, decode, sampling and the allocator before the clock."""
+    if quick:  # the quick workload's own shape: on a CPU every new matmul shape costs a first-time setup
+        return make_workload(8, 8, 32, 4, 16, max_token_id, seed=1)
+    return make_workload(16, 100, 1024, 32, 32, max_token_id, seed=1)
+
+
+# ---- results and tables --------------------------------------------------------------------------
+@dataclass
+class RunResult:
+    engine: str
+    num_seqs: int = 0
+    output_tokens: int = 0
+    seconds: float = 0.0
+    note: str = ""
+    error: str | None = None
+    stats: dict = field(default_factory=dict)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds if self.seconds > 0 and not self.error else 0.0
+
+    def to_dict(self) -> dict:
+        return dict(asdict(self), tokens_per_s=self.tokens_per_s)
+
+
+def print_table(title: str, headers: list[str], rows: list[list]) -> None:
+    cells = [[str(c) for c in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
+    line = "  ".join("-" * w for w in widths)
+    print(f"\n{title}\n{line}")
+    print("  ".join(h.ljust(w) for h, w in zip(headers, widths)))
+    print(line)
+    for row in cells:
+        print("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))))
+    print(line)
+
+
+def mib(n: float) -> str:
+    return f"{n / 2**20:.1f}"
+
+
+# ---- device helpers ----------------------------------------------------------------------------
+def is_cuda(device: str) -> bool:
+    return torch.device(device).type == "cuda"
+
+
+def synchronize(device: str) -> None:
+    if is_cuda(device):
+        torch.cuda.synchronize(device)
+
+
+def free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def measure_copy_bandwidth(device: str, nbytes: int, iters: int = 10) -> float:
+    """Bytes moved per second by a device-to-device copy (each copy reads n and writes n bytes)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(iters):
+        dst.copy_(src)
+    synchronize(device)
+    seconds = time.perf_counter() - start
+    del src, dst
+    free_memory()
+    return 2 * nbytes * iters / seconds
+
+
+def weight_read_bytes(model: torch.nn.Module, tied: bool) -> int:
+    """Bytes of weights one decode token reads: every parameter once (a tied embedding is read
+    once, by the LM head); an untied input embedding only contributes the one row looked up."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())  # shared tensors counted once
+    if not tied:
+        emb = model.get_input_embeddings().weight if hasattr(model, "get_input_embeddings") else None
+        emb = emb if emb is not None else dict(model.named_parameters()).get("model.embed_tokens.weight")
+        if emb is not None:
+            total -= emb.numel() * emb.element_size() - emb.shape[-1] * emb.element_size()
+    return total
+
+
+# ---- the model directory -----------------------------------------------------------------------
+def write_model_dir(shape: str, root: str) -> str:
+    from transformers import Qwen3Config
+    path = os.path.join(root, shape)
+    Qwen3Config(**SHAPES[shape]).save_pretrained(path)
+    return path
+
+
+# ---- nanograph ---------------------------------------------------------------------------------
+@dataclass
+class Setup:
+    """Everything the sections share: where the model is, how to build engines, the workload."""
+    args: argparse.Namespace
+    model_dir: str
+    load_format: str
+    device: str
+    dtype: str
+    workload: Workload
+    warmup: Workload
+    max_token_id: int
+
+    def llm(self, **overrides):
+        from nanograph import LLM
+        kwargs = dict(load_format=self.load_format, dtype=self.dtype, device=self.device,
+                      max_model_len=self.args.max_model_len, tensor_parallel_size=self.args.tp)
+        if self.args.num_kvcache_blocks:
+            kwargs["num_kvcache_blocks"] = self.args.num_kvcache_blocks
+        kwargs.update(overrides)
+        return LLM(self.model_dir, **kwargs)
+
+
+def report_leftover_memory(what: str) -> None:
+    """After an engine is freed, the next one sizes its KV cache from free memory: say so if
+    something (a reference cycle, a cache) kept a lot of device memory alive."""
+    free_memory()
+    if torch.cuda.is_available() and torch.cuda.memory_allocated() > 256 * 2**20:
+        print(f"  (warning: {mib(torch.cuda.memory_allocated())} MiB still allocated after freeing {what})")
+
+
+def counters(llm) -> dict:
+    """The engine's raw cumulative counters, so the stats of one generate call can be isolated
+    from the warm-up's. Empty where the runner does not expose them (the numbers are then the
+    cumulative ones from llm.stats(), warm-up included)."""
+    graphs = getattr(llm.runner, "graphs", None)
+    out = {}
+    if graphs is not None and hasattr(graphs, "real_rows"):
+        out.update(replays=dict(graphs.replays), eager=graphs.eager_decode_steps, real=graphs.real_rows,
+                   padded=graphs.padded_rows)
+    return out
+
+
+def run_stats(llm, before: dict) -> dict:
+    """llm.stats(), with the per-call counters of the timed call only."""
+    stats = llm.stats()
+    after = counters(llm)
+    if "replays" in before and after:
+        replays = {b: n - before["replays"].get(b, 0) for b, n in after["replays"].items()}
+        replays = {b: n for b, n in sorted(replays.items()) if n}
+        replayed = sum(replays.values())
+        steps = replayed + after["eager"] - before["eager"]
+        real, padded = after["real"] - before["real"], after["padded"] - before["padded"]
+        stats.update(decode_steps=steps, graph_replays=replayed, replays_per_bucket=replays,
+                     graph_hit_rate=replayed / steps if steps else 0.0,
+                     padding_waste=padded / real if real else 0.0)
+    elif getattr(llm.runner, "graphs", None) is not None:
+        stats["note"] = "graph figures are cumulative, warm-up included"
+    for key in ("prefix_cache_hit_tokens", "preemptions"):
+        if key in stats and key in before:
+            stats[key] -= before[key]
+    return stats
+
+
+def time_generate(llm, workload: Workload, device: str) -> tuple[int, float]:
+    params = workload.sampling_params()
+    synchronize(device)
+    start = time.perf_counter()
+    outs = llm.generate(workload.prompts, params, use_tqdm=False)
+    synchronize(device)
+    seconds = time.perf_counter() - start
+    return sum(len(o["token_ids"]) for o in outs), seconds
+
+
+def measure_generate(llm, setup: Setup, workload: Workload) -> tuple[int, float, dict]:
+    """Warm up, then time one generate of the workload: (output tokens, seconds, its stats)."""
+    llm.generate(setup.warmup.prompts, setup.warmup.sampling_params(), use_tqdm=False)
+    before = counters(llm)
+    before.update({k: v for k, v in llm.stats().items() if k in ("prefix_cache_hit_tokens", "preemptions")})
+    tokens, seconds = time_generate(llm, workload, setup.device)
+    return tokens, seconds, run_stats(llm, before)
+
+
+def run_nanograph(setup: Setup, label: str, workload: Workload, **overrides) -> RunResult:
+    """Build an engine, measure, free the engine (it lives only in this frame, so that its device
+    memory is back before the next engine sizes its KV cache)."""
+    print(f"  [{label}] building the engine, warming up, timing {workload.num_seqs} sequences ...", flush=True)
+    llm = setup.llm(**overrides)
+    try:
+        tokens, seconds, stats = measure_generate(llm, setup, workload)
+    finally:
+        llm.close()
+        del llm
+        report_leftover_memory(label)
+    note = ""
+    if tokens != workload.output_tokens:
+        note = f"expected {workload.output_tokens} output tokens"
+    return RunResult(label, workload.num_seqs, tokens, seconds, note, stats=stats)
+
+
+def print_run(result: RunResult, workload: Workload) -> None:
+    s = result.stats
+    print(f"\n{result.engine}: {workload.num_seqs} sequences, {workload.prompt_tokens:,} prompt tokens")
+    print(f"  output tokens {result.output_tokens:,} (requested {workload.output_tokens:,})"
+          f"   time {result.seconds:.2f} s   throughput {result.tokens_per_s:,.0f} tok/s")
+    if "graph_hit_rate" in s:
+        print(f"  graphs {s.get('num_graphs', 0)} {s.get('cuda_graph_sizes', [])}")
+        print(f"  capture {s.get('capture_seconds', 0):.2f} s   graph memory {mib(s.get('graph_memory_bytes', 0))} MiB"
+              f"   decode steps {s.get('decode_steps', 0)}   hit rate {s['graph_hit_rate']:.1%}"
+              f"   padding waste {s.get('padding_waste', 0):.1%}")
+        print(f"  replays per bucket {s.get('replays_per_bucket', {})}")
+    else:
+        print("  no CUDA graphs on this device")
+    print(f"  KV blocks {s.get('num_kvcache_blocks')}   preemptions {s.get('preemptions')}"
+          f"   prefix-cache hit tokens {s.get('prefix_cache_hit_tokens')}   attention {s.get('attention_backend')}")
+    if s.get("note"):
+        print(f"  ({s['note']})")
+
+
+# ---- HF transformers continuous batching -------------------------------------------------------
+def load_hf_model(setup: Setup, attn_implementation: str):
+    from transformers import AutoConfig, AutoModelForCausalLM
+    dtype = getattr(torch, setup.dtype)
+    if setup.load_format == "dummy":
+        torch.manual_seed(0)
+        config = AutoConfig.from_pretrained(setup.model_dir)
+        with torch.device(setup.device):  # random init right where it runs (an 8B init on the CPU is slow)
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(setup.model_dir, dtype=dtype,
+                                                     attn_implementation=attn_implementation)
+    return model.to(setup.device).eval()
+
+
+def hf_manager(model, setup: Setup, workload: Workload):
+    """A started ContinuousBatchingManager with sampling like nanograph's and EOS disabled."""
+    from transformers import GenerationConfig
+    gen = GenerationConfig(do_sample=workload.temperature > 0, temperature=workload.temperature, top_k=0, top_p=1.0,
+                           eos_token_id=None, pad_token_id=0, max_new_tokens=max(workload.max_tokens))
+    kwargs = {}
+    params = inspect.signature(model.init_continuous_batching).parameters
+    if not is_cuda(setup.device) and "continuous_batching_config" in params:
+        # HF sizes its cache from memory; on a CPU that means minutes of zero-filling: keep it small
+        from transformers import ContinuousBatchingConfig
+        longest = max(len(p) + n for p, n in zip(workload.prompts, workload.max_tokens))
+        kwargs["continuous_batching_config"] = ContinuousBatchingConfig(
+            num_blocks=workload.num_seqs * -(-longest // 256) + 8, max_batch_tokens=512)
+    if "workload_hints" in params:  # what generate_batch passes, so HF sizes itself as it would there
+        try:
+            from transformers.generation.continuous_batching.utils import WorkloadHints
+            kwargs["workload_hints"] = WorkloadHints(
+                max_prompt_length=max(map(len, workload.prompts)), max_generated_length=max(workload.max_tokens),
+                num_requests=workload.num_seqs)
+        except ImportError:
+            pass
+    manager = model.init_continuous_batching(generation_config=gen, **kwargs)
+    if hasattr(manager, "warmup"):
+        manager.warmup()
+    manager.start()
+    return manager
+
+
+def hf_generate(manager, workload: Workload, prefix: str, timeout_s: float) -> tuple[int, float, str | None]:
+    """Submit every request with its own max_new_tokens, wait for all; (tokens, seconds, error)."""
+    start = time.perf_counter()
+    pending = set()
+    for i, (prompt, n) in enumerate(zip(workload.prompts, workload.max_tokens)):
+        request_id = f"{prefix}{i}"
+        manager.add_request(prompt, request_id=request_id, max_new_tokens=n)
+        pending.add(request_id)
+    tokens, errors = 0, []
+    while pending:
+        result = manager.get_result(timeout=1)
+        if result is None:
+            if not getattr(manager, "is_running", lambda: True)():
+                return tokens, time.perf_counter() - start, "generation thread stopped unexpectedly"
+            if time.perf_counter() - start > timeout_s:
+                done = workload.num_seqs - len(pending)
+                return tokens, time.perf_counter() - start, f"timed out after {timeout_s:.0f} s ({done}/{workload.num_seqs} done)"
+            continue
+        if result.request_id not in pending or not result.is_finished():
+            continue
+        pending.discard(result.request_id)
+        tokens += len(result.generated_tokens)
+        if getattr(result, "error", None):
+            errors.append(str(result.error))
+    seconds = time.perf_counter() - start
+    return tokens, seconds, (f"{len(errors)} request(s) failed: {errors[0]}" if errors else None)
+
+
+def run_hf(setup: Setup, workload: Workload) -> RunResult:
+    """HF transformers' continuous batching on the same shape and workload. Never raises: a
+    failure becomes the row's error."""
+    import transformers
+    label = f"HF transformers {transformers.__version__} (continuous batching)"
+    subset = workload.head(setup.args.hf_seqs)
+    note = "" if subset.num_seqs == workload.num_seqs else f"first {subset.num_seqs} of {workload.num_seqs} sequences"
+    if subset.num_seqs == 0:
+        return RunResult(label, error="skipped (--hf-seqs 0)")
+    model = manager = None
+    errors = []
+    print(f"  [{label}] building the model, warming up, timing {subset.num_seqs} sequences ...", flush=True)
+    try:
+        for impl in ("paged|sdpa", "sdpa", "paged|eager"):
+            try:
+                model = load_hf_model(setup, impl)
+                manager = hf_manager(model, setup, subset)
+                break
+            except Exception as e:  # this implementation name is not known to this version: try the next
+                errors.append(f"{impl}: {type(e).__name__}: {e}")
+                model = manager = None
+                free_memory()
+        if manager is None:
+            return RunResult(label, subset.num_seqs, note=note, error=" | ".join(errors))
+        label += f" [{model.config._attn_implementation}]"
+        _, _, err = hf_generate(manager, setup.warmup, "warmup-", setup.args.hf_timeout)
+        if err:
+            return RunResult(label, subset.num_seqs, note=note, error=f"warm-up: {err}")
+        tokens, seconds, err = hf_generate(manager, subset, "req-", setup.args.hf_timeout)
+        if not err and tokens != subset.output_tokens:
+            note = "; ".join(filter(None, [note, f"{tokens} of {subset.output_tokens} requested tokens"]))
+        return RunResult(label, subset.num_seqs, tokens, seconds, note, err)
+    except Exception as e:
+        return RunResult(label, subset.num_seqs, note=note, error=f"{type(e).__name__}: {e}")
+    finally:
+        if manager is not None:
+            try:  # a hard stop fails whatever is still pending (after a time-out) instead of finishing it
+                hard = {"hard_stop": True} if "hard_stop" in inspect.signature(manager.stop).parameters else {}
+                manager.stop(block=True, timeout=30, **hard)
+            except Exception as e:
+                print(f"  (HF manager did not stop cleanly: {type(e).__name__}: {e})")
+        del manager, model
+        report_leftover_memory("the HF model")
+
+
+# ---- sections ----------------------------------------------------------------------------------
+def section_run(setup: Setup) -> RunResult:
+    label = "nanograph (CUDA graphs)" if is_cuda(setup.device) else "nanograph (CPU, no graphs)"
+    result = run_nanograph(setup, label, setup.workload)
+    print_run(result, setup.workload)
+    return result
+
+
+def section_compare(setup: Setup, graphs: RunResult) -> list[RunResult]:
+    eager = run_nanograph(setup, "nanograph (eager)", setup.workload, enforce_eager=True)
+    hf = run_hf(setup, setup.workload)
+    rows = [graphs, eager, hf]
+    base = graphs.tokens_per_s
+    print_table("Throughput, same workload (tok/s = output tokens / generate wall time)",
+                ["engine", "seqs", "output tokens", "seconds", "tok/s", "vs nanograph", "note"],
+                [[r.engine, r.num_seqs, f"{r.output_tokens:,}", f"{r.seconds:.2f}",
+                  f"{r.tokens_per_s:,.0f}" if not r.error else "-",
+                  f"{r.tokens_per_s / base:.3f}x" if base and not r.error else "-",
+                  f"ERROR {r.error}" if r.error else r.note] for r in rows])
+    return rows
+
+
+def section_ladders(setup: Setup) -> list[RunResult]:
+    rows = []
+    for policy in LADDER_POLICIES:
+        print(f"  ladder policy {policy} ...", flush=True)
+        rows.append(run_nanograph(setup, policy, setup.workload, cuda_graph_policy=policy))
+    print_table("Bucket ladders, same workload",
+                ["policy", "graphs", "capture s", "graph MiB", "hit rate", "padding", "tok/s", "sizes"],
+                [[r.engine, r.stats.get("num_graphs"), f"{r.stats.get('capture_seconds', 0):.2f}",
+                  mib(r.stats.get("graph_memory_bytes", 0)), f"{r.stats.get('graph_hit_rate', 0):.1%}",
+                  f"{r.stats.get('padding_waste', 0):.1%}", f"{r.tokens_per_s:,.0f}",
+                  r.stats.get("cuda_graph_sizes")] for r in rows])
+    return rows
+
+
+def decode_step(batch: int, context_len: int, block_size: int):
+    """One decode token per sequence at position context_len - 1, each sequence on its own
+    consecutive blocks (the cache content does not matter for timing)."""
+    from nanograph.engine.model_runner import StepInput
+    blocks = -(-context_len // block_size)
+    tables = [list(range(s * blocks, (s + 1) * blocks)) for s in range(batch)]
+    pos = context_len - 1
+    return StepInput(is_prefill=False, input_ids=[1] * batch, positions=[pos] * batch,
+                     slot_mapping=[t[pos // block_size] * block_size + pos % block_size for t in tables],
+                     context_lens=[context_len] * batch, block_tables=tables, cu_seqlens_q=list(range(batch + 1)))
+
+
+@contextmanager
+def eager(runner):
+    """Run the same engine without its graphs: exactly the path enforce_eager=True takes."""
+    graphs, runner.graphs = runner.graphs, None
+    try:
+        yield
+    finally:
+        runner.graphs = graphs
+
+
+def time_forward(runner, step, device: str, iters: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        runner.forward(step)
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(iters):
+        runner.forward(step)
+    synchronize(device)
+    return (time.perf_counter() - start) / iters
+
+
+def per_token_latency(llm, setup: Setup, prompt_len: int, new_tokens: int, seed: int) -> float | None:
+    """Seconds per generated token of one sequence: (generate n tokens - generate 1) / (n - 1).
+    Subtracting the 1-token run removes the prefill; fresh random prompts avoid prefix-cache hits;
+    the best of three runs of each filters out noise. None if noise still wins (a loaded CPU)."""
+    from nanograph import SamplingParams
+    rng = random.Random(seed)
+
+    def once(n: int) -> float:
+        prompt = [rng.randint(0, setup.max_token_id) for _ in range(prompt_len)]
+        params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n)
+        synchronize(setup.device)
+        start = time.perf_counter()
+        llm.generate([prompt], params, use_tqdm=False)
+        synchronize(setup.device)
+        return time.perf_counter() - start
+
+    once(new_tokens)  # warm-up
+    one = min(once(1) for _ in range(3))
+    many = min(once(new_tokens) for _ in range(3))
+    return (many - one) / (new_tokens - 1) if many > one else None
+
+
+def sweep_sizes(max_bs: int) -> list[int]:
+    return [1 << i for i in range(max_bs.bit_length())]
+
+
+def sweep_engine(setup: Setup):
+    """One engine for the whole sweep: graphs for every sweep size, and a KV cache just big
+    enough for the largest batch at the sweep's context length."""
+    sizes = sweep_sizes(setup.args.sweep_max_bs)
+    block_size = 256  # the engine's default kvcache_block_size
+    blocks = sizes[-1] * -(-setup.args.sweep_context_len // block_size)
+    return setup.llm(num_kvcache_blocks=blocks, kvcache_block_size=block_size,
+                     cuda_graph_sizes=sizes if is_cuda(setup.device) else None)
+
+
+def measure_decode_sweep(llm, setup: Setup) -> dict:
+    args, runner = setup.args, llm.runner
+    ctx = args.sweep_context_len
+    rows = []
+    for bs in sweep_sizes(args.sweep_max_bs):
+        step = decode_step(bs, ctx, runner.block_size)
+        graph_s = None
+        if runner.graphs is not None and runner.graphs.can_run(bs):
+            graph_s = time_forward(runner, step, setup.device, args.sweep_iters)
+        with eager(runner):
+            eager_s = time_forward(runner, step, setup.device, args.sweep_iters)
+        rows.append({"batch": bs, "graph_ms": graph_s * 1e3 if graph_s else None, "eager_ms": eager_s * 1e3,
+                     "speedup": eager_s / graph_s if graph_s else None})
+
+    # batch 1: the whole per-token loop (schedule, forward, sample) against the weight-read floor
+    tied = bool(getattr(llm.config.hf_config, "tie_word_embeddings", False))
+    weights = weight_read_bytes(runner.model, tied)
+    bandwidth = measure_copy_bandwidth(setup.device, args.bandwidth_mib * 2**20)
+    prompt_len, new_tokens = (8, 16) if args.quick else (128, 128)
+    latency = {}
+    if runner.graphs is not None and runner.graphs.can_run(1):
+        latency["graphs"] = per_token_latency(llm, setup, prompt_len, new_tokens, seed=2)
+    with eager(runner):
+        latency["eager"] = per_token_latency(llm, setup, prompt_len, new_tokens, seed=3)
+    batch1 = {"prompt_len": prompt_len, "new_tokens": new_tokens, "weight_bytes": weights,
+              "copy_bandwidth_Bps": bandwidth, "floor_ms_per_token": weights / bandwidth * 1e3,
+              **{f"{k}_ms_per_token": v * 1e3 if v else None for k, v in latency.items()}}
+    return {"context_len": ctx, "iters": args.sweep_iters, "rows": rows, "batch1": batch1}
+
+
+def print_decode_sweep(sweep: dict, cuda: bool) -> None:
+    if not cuda:
+        print("\n(CPU: no CUDA graphs, the decode sweep times the eager path only)")
+    print_table(f"One decode step (forward, no sampling), context {sweep['context_len']}, {sweep['iters']} iterations",
+                ["batch", "graph ms", "eager ms", "speed-up", "graph tok/s"],
+                [[r["batch"], f"{r['graph_ms']:.3f}" if r["graph_ms"] else "-", f"{r['eager_ms']:.3f}",
+                  f"{r['speedup']:.2f}x" if r["speedup"] else "-",
+                  f"{r['batch'] / r['graph_ms'] * 1e3:,.0f}" if r["graph_ms"] else "-"] for r in sweep["rows"]])
+    b = sweep["batch1"]
+    floor = b["floor_ms_per_token"]
+    print(f"\nBatch-1 latency (generate: schedule + forward + sample), prompt {b['prompt_len']}, "
+          f"{b['new_tokens']} new tokens:")
+    for name in ("graphs", "eager"):
+        if f"{name}_ms_per_token" not in b:
+            continue
+        ms = b[f"{name}_ms_per_token"]
+        if ms is None:
+            print(f"  {name:<7} too noisy to measure")
+        else:
+            print(f"  {name:<7} {ms:8.3f} ms/token  {1e3 / ms:10,.1f} tok/s  ({ms / floor:.2f}x the floor)")
+    print(f"  floor   {floor:8.3f} ms/token  {1e3 / floor:10,.1f} tok/s  = {b['weight_bytes'] / 2**20:,.1f} MiB "
+          f"of weights / {b['copy_bandwidth_Bps'] / 1e9:,.1f} GB/s measured copy bandwidth")
+
+
+def section_decode_sweep(setup: Setup) -> dict:
+    if setup.args.tp > 1:
+        print("\n(decode sweep skipped: it drives one ModelRunner directly; run it with --tp 1)")
+        return {"skipped": "tensor_parallel_size > 1"}
+    print(f"  [decode sweep] batch 1..{setup.args.sweep_max_bs}, context {setup.args.sweep_context_len} ...", flush=True)
+    llm = sweep_engine(setup)
+    try:
+        sweep = measure_decode_sweep(llm, setup)
+    finally:
+        llm.close()
+        del llm
+        report_leftover_memory("the decode-sweep engine")
+    print_decode_sweep(sweep, is_cuda(setup.device))
+    return sweep
+
+
+# ---- plot --------------------------------------------------------------------------------------
+def write_plot(path: str, report: dict) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("\n(--plot skipped: matplotlib is not installed; pip install matplotlib)")
+        return
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
+    sweep = report.get("decode_sweep", {})
+    if sweep.get("rows"):
+        rows = sweep["rows"]
+        batch = [r["batch"] for r in rows]
+        graph = [(r["batch"], r["graph_ms"]) for r in rows if r["graph_ms"]]
+        if graph:
+            left.plot(*zip(*graph), "o-", label="CUDA graph")
+        left.plot(batch, [r["eager_ms"] for r in rows], "s-", label="eager")
+        left.set_xscale("log", base=2)
+        left.set_xticks(batch, [str(b) for b in batch])
+        left.set_xlabel("batch size")
+        left.set_ylabel("ms per decode step")
+        left.set_title(f"Decode step latency, context {sweep['context_len']}")
+        left.legend()
+        left.grid(True, alpha=0.3)
+    else:
+        left.text(0.5, 0.5, "decode sweep not run", ha="center", va="center")
+        left.set_axis_off()
+    bars = []
+    for row in report.get("compare", {}).get("rows", []) or ([report["run"]] if "run" in report else []):
+        bars.append((row["engine"].split(" [")[0].replace(" (continuous batching)", ""), row["tokens_per_s"]))
+    for row in report.get("ladders", {}).get("rows", []):
+        bars.append((f"ladder {row['engine']}", row["tokens_per_s"]))
+    if bars:
+        names, values = zip(*bars)
+        right.barh(range(len(values)), values)
+        right.set_yticks(range(len(values)), names)
+        right.invert_yaxis()
+        right.set_xlabel("output tokens / s")
+        right.set_title("Throughput, reference workload" if not report["meta"]["quick"] else "Throughput (quick)")
+        for i, v in enumerate(values):
+            right.text(v, i, f" {v:,.0f}", va="center")
+        right.set_xlim(0, max(values) * 1.2 or 1)
+    else:
+        right.text(0.5, 0.5, "no throughput run", ha="center", va="center")
+        right.set_axis_off()
+    fig.suptitle(f"nanograph bench: {report['meta']['model']} on {report['meta']['device_name']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"\nplot written to {path}")
+
+
+# ---- main --------------------------------------------------------------------------------------
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", choices=["qwen3-0.6b", "qwen3-8b"], default="qwen3-0.6b",
+                   help="model shape with random weights (default qwen3-0.6b)")
+    p.add_argument("--model", help="a real checkpoint (local dir or hub id) instead of --shape")
+    p.add_argument("--device", help="cuda or cpu (default: cuda if available)")
+    p.add_argument("--dtype", help="default bfloat16 (float32 with --quick)")
+    p.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--num-kvcache-blocks", type=int, help="fix the KV cache size (default: from memory)")
+    p.add_argument("--quick", action="store_true", help="tiny model and workload (CI); every section runs, tiny")
+    p.add_argument("--compare", action="store_true", help="nanograph graphs vs eager vs HF transformers")
+    p.add_argument("--ladders", action="store_true", help="the workload under each bucket-ladder policy")
+    p.add_argument("--decode-sweep", action="store_true", help="decode-step latency vs batch size, graph vs eager")
+    p.add_argument("--all", action="store_true", help="--decode-sweep --compare --ladders")
+    p.add_argument("--hf-seqs", type=int, default=64,
+                   help="HF runs the first N sequences of the workload (default 64; 256 = all of it; 0 = skip HF)")
+    p.add_argument("--hf-timeout", type=float, default=300.0, help="give up on HF after this many seconds")
+    p.add_argument("--sweep-max-bs", type=int, help="largest decode-sweep batch (default 256, 8 with --quick)")
+    p.add_argument("--sweep-context-len", type=int, help="decode-sweep context length (default 512, 32 with --quick)")
+    p.add_argument("--sweep-iters", type=int, help="timed steps per size (default 20, 3 with --quick)")
+    p.add_argument("--json", help="write every figure to this JSON file")
+    p.add_argument("--plot", help="write a PNG: decode latency vs batch and throughput bars (needs matplotlib)")
+    args = p.parse_args(argv)
+    if args.all:
+        args.decode_sweep = args.compare = args.ladders = True
+    args.sweep_max_bs = args.sweep_max_bs or (8 if args.quick else 256)
+    args.sweep_context_len = args.sweep_context_len or (32 if args.quick else 512)
+    args.sweep_iters = args.sweep_iters or (3 if args.quick else 20)
+    args.bandwidth_mib = 64 if args.quick else 1024
+    if args.quick:
+        args.max_model_len = min(args.max_model_len, 256)
+    return args
+
+
+def build_setup(args: argparse.Namespace, tmp: str) -> Setup:
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = args.dtype or ("float32" if args.quick else "bfloat16")
+    if args.model:
+        from transformers import AutoConfig
+        model_dir, load_format = args.model, "auto"
+        if not os.path.isdir(model_dir):
+            from nanograph.utils.loader import resolve_model_dir
+            model_dir = resolve_model_dir(model_dir)
+        vocab = AutoConfig.from_pretrained(model_dir).vocab_size
+    else:
+        shape = "tiny" if args.quick else args.shape
+        model_dir, load_format = write_model_dir(shape, tmp), "dummy"
+        vocab = SHAPES[shape]["vocab_size"]
+    max_token_id = min(10000, vocab - 1)
+    workload = quick_workload() if args.quick else make_workload(max_token_id=max_token_id)
+    if not args.quick and max_token_id == 10000:
+        total = workload.output_tokens
+        assert total == REFERENCE_OUTPUT_TOKENS, f"reference workload has {total} output tokens, not {REFERENCE_OUTPUT_TOKENS}"
+    return Setup(args, model_dir, load_format, device, dtype, workload, warmup_workload(args.quick, max_token_id),
+                 max_token_id)
+
+
+def meta(setup: Setup) -> dict:
+    import transformers
+    cuda = is_cuda(setup.device)
+    return {"model": setup.args.model or ("tiny" if setup.args.quick else setup.args.shape),
+            "load_format": setup.load_format, "device": setup.device, "dtype": setup.dtype, "tp": setup.args.tp,
+            "quick": setup.args.quick, "max_model_len": setup.args.max_model_len,
+            "device_name": torch.cuda.get_device_name(setup.device) if cuda else platform.processor() or "cpu",
+            "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version()}
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    run_default = args.compare or not (args.ladders or args.decode_sweep)
+    with tempfile.TemporaryDirectory(prefix="nanograph-bench-") as tmp:
+        setup = build_setup(args, tmp)
+        report = {"meta": meta(setup), "workload": setup.workload.summary()}
+        m, w = report["meta"], setup.workload
+        print(f"nanograph bench: {m['model']} ({setup.load_format} weights, {setup.dtype}) on {m['device_name']}, "
+              f"tp={args.tp}; torch {m['torch']}, transformers {m['transformers']}")
+        print(f"workload: {w.num_seqs} sequences, {w.prompt_tokens:,} prompt tokens, {w.output_tokens:,} output tokens"
+              + (" (the reference workload)" if w.output_tokens == REFERENCE_OUTPUT_TOKENS else ""))
+        if args.decode_sweep:
+            report["decode_sweep"] = section_decode_sweep(setup)
+        if run_default:
+            graphs = section_run(setup)
+            report["run"] = graphs.to_dict()
+            if args.compare:
+                report["compare"] = {"rows": [r.to_dict() for r in section_compare(setup, graphs)]}
+        if args.ladders:
+            if is_cuda(setup.device):
+                report["ladders"] = {"rows": [r.to_dict() for r in section_ladders(setup)]}
+            else:
+                print("\n(ladders skipped: bucket ladders are CUDA graphs, and there are none on the CPU)")
+                report["ladders"] = {"skipped": "no CUDA graphs on the CPU"}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2, default=str)
+        print(f"\nfigures written to {args.json}")
+    if args.plot:
+        write_plot(args.plot, report)
+    return report
+
+
+if __name__ == "__main__":
+    main()
