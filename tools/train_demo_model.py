@@ -253,6 +253,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--max-files", type=int, default=None, help="use fewer files (smoke runs)")
+    p.add_argument("--stdlib", type=Path, default=None,
+                   help="a CPython standard library directory (default: this interpreter's)")
     return p.parse_args()
 
 
@@ -262,7 +264,7 @@ def main() -> None:
     torch.manual_seed(args.seed)
     device = torch.device(args.device)
 
-    sources = stdlib_sources()
+    sources = stdlib_sources(args.stdlib)
     train_texts = [t for rel, t in sources.items() if not is_held_out(rel)][:args.max_files]
     val_texts = [t for rel, t in sources.items() if is_held_out(rel)]
     if args.max_files:

@@ -14,6 +14,7 @@ Attention holding views into it. Its size comes from memory: on CUDA, what is le
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from nanograph.config import Config
 from nanograph.engine.cuda_graph import CudaGraphRunner
@@ -52,10 +53,15 @@ def build_step(seqs: list[Sequence], is_prefill: bool, block_size: int) -> StepI
 
 
 class ModelRunner:
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, rank: int = 0):
         self.config = config
         hf = config.hf_config
         self.device = torch.device(config.device)
+        if self.device.type == "cuda" and config.tensor_parallel_size > 1:
+            self.device = torch.device("cuda", rank)  # one GPU per tensor-parallel rank
+        if (dist.get_world_size() if dist.is_initialized() else 1) != config.tensor_parallel_size:
+            raise RuntimeError("the layers shard over torch.distributed's default group, whose size must be "
+                               f"tensor_parallel_size={config.tensor_parallel_size} (close the other LLM first)")
         self.block_size = config.kvcache_block_size
         torch.manual_seed(config.seed)
         default_dtype = torch.get_default_dtype()
@@ -88,6 +94,10 @@ class ModelRunner:
         elif num_blocks is None:
             needed = self.config.max_num_seqs * -(-self.config.max_model_len // self.block_size)
             num_blocks = min(needed, CPU_KV_CACHE_BYTES // block_bytes)
+        if dist.is_initialized():  # tensor parallel: the ranks share one block table, so the smallest cache wins
+            t = torch.tensor([num_blocks], device=self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MIN)
+            num_blocks = int(t.item())
         if num_blocks < 1:
             raise ValueError("no memory left for the KV cache: lower max_num_batched_tokens or raise "
                              "gpu_memory_utilization")

@@ -134,6 +134,10 @@ def _decode_merge_kernel(
              out.to(out_ptr.dtype.element_ty), mask=dims < head_dim)
 
 
+# Launch shape of the split kernel, measured with tools/tune_decode.py (H100, batch 256, context 1024).
+KEYS_PER_TILE, NUM_WARPS, NUM_STAGES = 64, 4, 3
+
+
 @functools.lru_cache
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
@@ -158,7 +162,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
 
     d_pad = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16
     # Keep the K and V tiles of one step within ~32 KB each, even at head_dim 256.
-    block_n = min(block_size, 64 if d_pad <= 128 else 32)
+    block_n = min(block_size, KEYS_PER_TILE if d_pad <= 128 else KEYS_PER_TILE // 2)
     num_tiles = block_tables.shape[1] * block_size // block_n
     num_splits, tiles_per_split = _plan_splits(batch, num_kv_heads, num_tiles, _sm_count(q.device))
 
@@ -174,6 +178,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
         BLOCK_N=block_n, D_PAD=d_pad,
         # float32 inputs get exact products (not TF32) to match a float32 reference.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     _decode_merge_kernel[(batch, num_q_heads)](
         o_part, lse, context_lens, out, num_splits, tiles_per_split,

@@ -11,17 +11,19 @@ from torch import nn
 from nanograph.utils.compile import cuda_compiled
 
 
-@cuda_compiled
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm_math(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
 
 
+rms_norm = cuda_compiled(rms_norm_math)
+
+
 @cuda_compiled
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
     x = x + residual
-    return rms_norm(x, weight, eps), x
+    return rms_norm_math(x, weight, eps), x
 
 
 class RMSNorm(nn.Module):

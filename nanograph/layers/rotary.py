@@ -10,6 +10,7 @@ import math
 import torch
 from torch import nn
 
+from nanograph.layers.norm import rms_norm_math
 from nanograph.utils.compile import cuda_compiled
 
 
@@ -33,12 +34,21 @@ def rope_frequencies(head_dim: int, rope: dict) -> torch.Tensor:
     raise ValueError(f"rope scaling type {kind!r} is not supported (default, linear, llama3 are)")
 
 
-@cuda_compiled
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # x: [tokens, heads, head_dim]; cos/sin: [tokens, head_dim / 2]
     x1, x2 = x.chunk(2, dim=-1)
     cos, sin = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+@cuda_compiled
+def norm_and_rotate(q, k, positions, cos, sin, q_weight, k_weight, eps: float):
+    """Qwen3's per-head RMSNorm of q and k (when weights are given), then rotary: one kernel on
+    CUDA instead of a dozen, which matters at batch 1 where each kernel costs more than its math."""
+    if q_weight is not None:
+        q, k = rms_norm_math(q, q_weight, eps), rms_norm_math(k, k_weight, eps)
+    cos, sin = cos[positions], sin[positions]
+    return rotate(q, cos, sin), rotate(k, cos, sin)
 
 
 class RotaryEmbedding(nn.Module):
@@ -48,6 +58,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos, sin = self.cos[positions], self.sin[positions]
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_norm=None, k_norm=None):
+        if q_norm is None:
+            return norm_and_rotate(q, k, positions, self.cos, self.sin, None, None, 0.0)
+        return norm_and_rotate(q, k, positions, self.cos, self.sin, q_norm.weight, k_norm.weight, q_norm.eps)

@@ -52,8 +52,9 @@ class DecoderAttention(nn.Module):
         k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))
         v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rope(positions, q, k)
+            q, k = self.rope(positions, q, k, self.q_norm, self.k_norm)
+        else:
+            q, k = self.rope(positions, q, k)
         return self.o_proj(self.attn(q, k, v).flatten(1))
 
 

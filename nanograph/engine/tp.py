@@ -1,0 +1,167 @@
+"""Tensor parallelism: one process per GPU, rank 0 drives, the other ranks follow.
+
+Process layout. Rank 0 lives in the user's process: it holds the scheduler, the block manager
+and the sampler, exactly as with one GPU. Ranks 1..N-1 are worker processes started with the
+"spawn" method (a forked CUDA context is unusable). Every rank holds one shard of the weights and
+of the KV cache (its own KV heads, see layers/linear.py) and runs every step's forward; the
+layers' collectives (two all-reduces per block, one for the embedding, an all-gather for the
+LM head) go through torch.distributed's default group: NCCL on CUDA, gloo on the CPU. As with
+any "spawn" child, a worker re-imports the user's main module: scripts that start a
+tensor-parallel LLM need the usual `if __name__ == "__main__":` guard.
+
+What is sent each step, and how. Rank 0 builds the step's `StepInput` (plain lists: token ids,
+positions, slots, context lengths, block tables; model_runner.py) and broadcasts it, pickled, with
+`broadcast_object_list` over a second, gloo-only process group: the control group (on the wire:
+the pickle's length, then its bytes). That is the whole control path: one broadcast per step,
+then every rank runs `forward(step)`. Only rank 0 samples; the workers drop their logits (they
+computed them only because the LM head's all-gather needs every rank). One message per step keeps
+the ranks in lockstep by construction, and sending the inputs rather than sequences keeps the
+workers free of any scheduler state. The control messages go through gloo, not NCCL, so a worker
+waits for the next step on the host, without a GPU kernel, as long as the engine stays idle.
+
+Same ladder everywhere. A collective matches the calls of all ranks in order, so all ranks must
+run the same kernels: the same KV-cache size (ModelRunner takes the minimum over the ranks) and
+the same bucket ladder (CudaGraphRunner does too). Decode graphs are captured on every rank with
+their NCCL all-reduces inside; a rank replaying bucket 8 while another replays 16 would deadlock.
+
+Start, shutdown, failure. The parent opens a TCPStore on a free port and waits until each worker
+has reached it (a worker that crashes while starting is reported, not waited for), then all ranks
+join the process groups. `close()` broadcasts `None` (the workers leave their loop and exit), joins
+them, kills any that linger, and destroys the process groups, so a second LLM can start in the
+same process; it also runs at interpreter exit if the user forgot it. A worker watches its parent
+and exits if the parent dies. Before each step rank 0 checks that every worker is alive, and with
+gloo a worker dying mid-step fails rank 0's next collective at once; either way rank 0 raises
+"tensor-parallel worker rank r died (exit code c)" and shuts the engine down (after a failed or
+interrupted step the ranks can no longer be trusted to be in step). With NCCL a death in the
+middle of a step is only seen by NCCL's watchdog, after STEP_TIMEOUT: a bound, not a clean error.
+"""
+import datetime
+import os
+import signal
+import threading
+import weakref
+from multiprocessing.connection import wait
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from nanograph.config import Config
+from nanograph.engine.model_runner import ModelRunner, StepInput, build_step
+from nanograph.layers.sampler import sample
+
+STEP_TIMEOUT = datetime.timedelta(minutes=10)  # a collective inside a step (or start-up) waits at most this
+IDLE_TIMEOUT = datetime.timedelta(days=365)    # a worker waits this long for the next step
+
+
+def init_distributed(config: Config, rank: int, store: dist.Store):
+    """Join the default group (model collectives) and return the gloo control group."""
+    cuda = torch.device(config.device).type == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+    else:  # the ranks share the cores: oversubscribed, OpenMP's spinning threads starve the other ranks
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tensor_parallel_size))
+    dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank,
+                            world_size=config.tensor_parallel_size, timeout=STEP_TIMEOUT)
+    return dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+
+
+def broadcast_step(step: StepInput | None, group) -> StepInput | None:
+    """Rank 0 sends `step` (None = exit); every other rank receives it."""
+    message = [step]
+    dist.broadcast_object_list(message, src=0, group=group)
+    return message[0]
+
+
+def worker_main(config: Config, rank: int, port: int) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the parent, which then shuts us down
+    parent = mp.parent_process()
+    threading.Thread(target=lambda: (parent.join(), os._exit(1)), daemon=True).start()  # orphaned: exit
+    store = dist.TCPStore("127.0.0.1", port, config.tensor_parallel_size, is_master=False, timeout=STEP_TIMEOUT)
+    store.add("workers_connected", 1)
+    group = init_distributed(config, rank, store)
+    runner = ModelRunner(config, rank)
+    while (step := broadcast_step(None, group)) is not None:
+        runner.forward(step)
+    dist.destroy_process_group()
+
+
+def shutdown(procs: list, group_ref: list, num_threads: int) -> None:
+    """Ask the workers to exit, wait, kill stragglers, destroy the process groups. Runs once."""
+    if group_ref[0] is not None and all(p.is_alive() for p in procs):
+        try:
+            broadcast_step(None, group_ref[0])
+        except Exception:
+            pass
+    for p in procs:
+        p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    torch.set_num_threads(num_threads)
+
+
+class TensorParallelRunner:
+    """Rank 0's side: a ModelRunner for its own shard, plus the workers it drives."""
+
+    def __init__(self, config: Config):
+        n = config.tensor_parallel_size
+        if torch.device(config.device).type == "cuda" and torch.cuda.device_count() < n:
+            raise ValueError(f"tensor_parallel_size={n} but only {torch.cuda.device_count()} GPUs are visible")
+        if dist.is_initialized():
+            raise RuntimeError("a torch.distributed process group is already initialised in this process "
+                               "(close the other LLM first)")
+        self.closed, self.group_ref = False, [None]
+        store = dist.TCPStore("127.0.0.1", 0, n, is_master=True, wait_for_workers=False, timeout=STEP_TIMEOUT)
+        ctx = mp.get_context("spawn")  # spawned children inherit os.environ (NCCL settings included)
+        self.procs = [ctx.Process(target=worker_main, args=(config, rank, store.port), daemon=True,
+                                  name=f"nanograph-tp-rank{rank}") for rank in range(1, n)]
+        for p in self.procs:
+            p.start()
+        self._finalizer = weakref.finalize(self, shutdown, self.procs, self.group_ref, torch.get_num_threads())
+        try:
+            while store.add("workers_connected", 0) < n - 1:  # wait for the workers, watching them
+                if (dead := self.dead_worker(wait_s=0.05)):
+                    raise RuntimeError(dead)
+            self.group_ref[0] = init_distributed(config, 0, store)
+            self.runner = ModelRunner(config, 0)
+        except BaseException as e:
+            self.fail(e)
+        # what LLM reads from its runner; the stats are rank 0's (every rank replays the same buckets)
+        self.num_kv_blocks, self.backend = self.runner.num_kv_blocks, self.runner.backend
+        self.graphs = self.runner.graphs
+
+    def dead_worker(self, wait_s: float = 0.0) -> str | None:
+        """A message naming the first worker that has exited, waiting up to wait_s for one to."""
+        wait([p.sentinel for p in self.procs], timeout=wait_s)
+        return next((f"tensor-parallel worker rank {r} died (exit code {p.exitcode})"
+                     for r, p in enumerate(self.procs, 1) if p.exitcode is not None), None)
+
+    def fail(self, error: BaseException):
+        """The ranks may be out of step now: shut everything down, name a dead worker if there is one."""
+        dead = self.dead_worker(wait_s=1.0)  # a worker's death reaches rank 0 as a failed collective (RuntimeError)
+        for p in self.procs:
+            p.kill()
+        self.close()
+        if dead and isinstance(error, RuntimeError):
+            raise RuntimeError(f"{dead}; the engine has been shut down") from error
+        raise error
+
+    def run(self, seqs, is_prefill: bool) -> list[int]:
+        if self.closed:
+            raise RuntimeError("this LLM has been closed")
+        if (dead := self.dead_worker()):
+            self.fail(RuntimeError(dead))
+        step = build_step(seqs, is_prefill, self.runner.block_size)
+        try:
+            broadcast_step(step, self.group_ref[0])
+            logits = self.runner.forward(step)
+            return sample(logits, self.runner.sampling_batch(seqs)).tolist()
+        except BaseException as e:
+            self.fail(e)
+
+    def close(self) -> None:
+        self.closed = True
+        self._finalizer()

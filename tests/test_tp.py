@@ -1,0 +1,156 @@
+"""Tensor parallelism: 2 ranks give the same greedy tokens as 1 rank on the same float32 weights
+(CPU over gloo in CI, and on 2 GPUs over NCCL with decode graphs); start-up and shutdown leave no
+process behind; a dead worker is an error, not a hang."""
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GenerationConfig, Qwen3Config
+
+from conftest import COMMON, FAMILIES
+from nanograph import LLM, SamplingParams
+from test_engine import random_prompts
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def greedy_tokens(path, prompts, params=GREEDY, generations=1, **kwargs):
+    """Token ids of `generations` identical generate calls, and the stats, at tp=1 then at tp=2."""
+    results = []
+    for tp in (1, 2):
+        with LLM(path, tensor_parallel_size=tp, kvcache_block_size=16, **kwargs) as llm:
+            outs = [[o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
+                    for _ in range(generations)]
+            results.append((outs, llm.stats()))
+    assert not multiprocessing.active_children()
+    return results
+
+
+@pytest.fixture(scope="module")
+def mqa_model(tmp_path_factory):
+    """One KV head for four query heads: with 2 ranks the KV head is replicated, not split. An odd
+    vocabulary, too: the last rank's embedding and LM-head shard is padded."""
+    torch.manual_seed(0)
+    cfg = Qwen3Config(**{**COMMON, "vocab_size": 321}, num_attention_heads=4, num_key_value_heads=1, head_dim=32,
+                      tie_word_embeddings=False)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.2)
+    path = tmp_path_factory.mktemp("qwen3_mqa")
+    model.save_pretrained(path)
+    GenerationConfig(eos_token_id=1, bos_token_id=0).save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES) + ["qwen3_mqa"])
+def test_tp2_matches_tp1(tiny_model, mqa_model, family):
+    path = mqa_model if family == "qwen3_mqa" else tiny_model(family)
+    prompts = random_prompts([3, 17, 40, 33, 64])
+    (one, _), (two, stats) = greedy_tokens(path, prompts, enable_prefix_caching=False)
+    assert two == one
+    assert stats["num_kvcache_blocks"] > 0 and stats["attention_backend"] == "torch"
+
+
+def test_tp2_with_prefix_caching_and_preemption(tiny_model):
+    shared = random_prompts([40], seed=7)[0]
+    prompts = [shared + t for t in random_prompts([3, 9, 14, 20, 6], seed=8)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    # ~5 x 85 tokens need ~30 blocks of 16; 14 force preemption; the 2nd call hits the prefix cache
+    (one, s1), (two, s2) = greedy_tokens(tiny_model("qwen2"), prompts, params, generations=2, num_kvcache_blocks=14)
+    assert two == one and two[0] == two[1]
+    assert s2["preemptions"] == s1["preemptions"] > 0
+    assert s2["prefix_cache_hit_tokens"] == s1["prefix_cache_hit_tokens"] > 0
+
+
+def test_start_close_twice_leaves_no_process(tiny_model):
+    prompts = random_prompts([5, 20])
+    outs = []
+    for _ in range(2):
+        llm = LLM(tiny_model("qwen3"), tensor_parallel_size=2, kvcache_block_size=16)
+        workers = list(llm.runner.procs)
+        assert len(workers) == 1 and workers[0].is_alive()
+        outs.append(llm.generate(prompts, GREEDY, use_tqdm=False))
+        # the layers shard over the process-wide default group: one tensor-parallel LLM at a time
+        for tp in (1, 2):
+            with pytest.raises(RuntimeError, match="close the other LLM first"):
+                LLM(tiny_model("qwen3"), tensor_parallel_size=tp, kvcache_block_size=16)
+        assert llm.generate(prompts, GREEDY, use_tqdm=False) == outs[-1]
+        llm.close()
+        llm.close()  # idempotent
+        assert not multiprocessing.active_children() and workers[0].exitcode == 0
+        assert not torch.distributed.is_initialized()
+        with pytest.raises(RuntimeError, match="closed"):
+            llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("when", ["between_steps", "mid_step"])
+def test_dead_worker_raises_instead_of_hanging(tiny_model, monkeypatch, when):
+    llm = LLM(tiny_model("llama"), tensor_parallel_size=2, kvcache_block_size=16)
+    llm.generate(random_prompts([8]), GREEDY, use_tqdm=False)
+    runner, worker = llm.runner, llm.runner.procs[0]
+    if when == "mid_step":  # hide the death from the check before the step: rank 0 meets it in a collective
+        checks = iter([None])
+        monkeypatch.setattr(runner, "dead_worker", lambda wait_s=0.0, real=runner.dead_worker:
+                            next(checks, None) if wait_s == 0.0 else real(wait_s))
+    os.kill(worker.pid, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"worker rank 1 died \(exit code -9\)"):
+        llm.generate(random_prompts([8, 30]), GREEDY, use_tqdm=False)
+    assert time.monotonic() - start < 10
+    assert not multiprocessing.active_children() and not torch.distributed.is_initialized()
+    llm.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        llm.generate(random_prompts([8]), GREEDY, use_tqdm=False)
+
+
+def process_gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"  # a zombie waiting for its reaper is gone too
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.parametrize("parent_end", ["exit_without_close", "killed"])
+def test_workers_do_not_outlive_their_parent(tiny_model, parent_end):
+    script = f"""
+import os, signal
+from nanograph import LLM
+if __name__ == "__main__":
+    llm = LLM({tiny_model("qwen3")!r}, tensor_parallel_size=2, kvcache_block_size=16)
+    print(llm.runner.procs[0].pid, flush=True)
+    if {parent_end == "killed"}:
+        os.kill(os.getpid(), signal.SIGKILL)
+"""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == (-signal.SIGKILL if parent_end == "killed" else 0), proc.stderr
+    pid = int(proc.stdout.split()[0])
+    deadline = time.monotonic() + 15
+    while not process_gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert process_gone(pid)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_tp2_graphs_match_tp1_on_gpu(tiny_model, family):
+    # decode batches shrink from 13 (eager: above the ladder) to 1, replaying every bucket;
+    # each replay runs the captured NCCL all-reduces
+    prompts = random_prompts([5 + 7 * i for i in range(13)], seed=3)
+    params = [SamplingParams(temperature=0, max_tokens=4 + 3 * i, ignore_eos=True) for i in range(13)]
+    (one, s1), (two, s2) = greedy_tokens(tiny_model(family), prompts, params, dtype="float32",
+                                         cuda_graph_sizes=[1, 2, 4, 8])
+    assert two == one
+    assert s2["cuda_graph_sizes"] == [1, 2, 4, 8] and s2["replays_per_bucket"] == s1["replays_per_bucket"]
+    assert 0 < s2["graph_hit_rate"] < 1

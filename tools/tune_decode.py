@@ -1,0 +1,36 @@
+"""Measure the paged decode kernel's achieved bandwidth for a few launch shapes (run on a GPU).
+
+    PYTHONPATH=. python tools/tune_decode.py
+
+Bandwidth counts the K and V bytes the kernel must read (batch x context x kv_heads x head_dim
+x 2 tensors x 2 bytes): the figure to compare with the card's ~3 TB/s.
+"""
+import itertools
+
+import torch
+import triton
+
+from nanograph.kernels import paged_decode
+
+
+def bench(batch: int, context: int, heads=16, kv_heads=8, head_dim=128, block_size=256) -> tuple[float, float]:
+    blocks_per_seq = -(-context // block_size)
+    k_cache = torch.randn(batch * blocks_per_seq, block_size, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    q = torch.randn(batch, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    tables = torch.arange(batch * blocks_per_seq, device="cuda", dtype=torch.int32).view(batch, -1)
+    tables = torch.cat([tables, torch.zeros(batch, 16 - blocks_per_seq, dtype=torch.int32, device="cuda")], 1)
+    lens = torch.full((batch,), context, device="cuda", dtype=torch.int32)
+    ms = triton.testing.do_bench(lambda: paged_decode.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.088))
+    return ms, 2 * batch * context * kv_heads * head_dim * 2 / ms / 1e9
+
+
+if __name__ == "__main__":
+    print("keys/tile warps stages | b256 c1024 ms  TB/s | b64 c1024 ms  TB/s | b1 c1024 ms")
+    for keys, warps, stages in itertools.product((64, 128), (4, 8), (2, 3, 4)):
+        paged_decode.KEYS_PER_TILE, paged_decode.NUM_WARPS, paged_decode.NUM_STAGES = keys, warps, stages
+        try:
+            (m1, b1), (m2, b2), (m3, _) = bench(256, 1024), bench(64, 1024), bench(1, 1024)
+            print(f"{keys:9d} {warps:5d} {stages:6d} | {m1:12.3f} {b1 / 1000:5.2f} | {m2:11.3f} {b2 / 1000:5.2f} | {m3:10.4f}")
+        except Exception as e:  # e.g. out of shared memory
+            print(f"{keys:9d} {warps:5d} {stages:6d} | failed: {type(e).__name__}")
