@@ -690,7 +690,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ladders", action="store_true", help="the workload under each bucket-ladder policy")
     p.add_argument("--decode-sweep", action="store_true", help="decode-step latency vs batch size, graph vs eager")
     p.add_argument("--all", action="store_true", help="--decode-sweep --compare --ladders")
-    p.add_argument("--hf-seqs", type=int, default=64,
+    p.add_argument("--hf-seqs", type=int, default=32,
                    help="HF runs the first N sequences of the workload (default 64; 256 = all of it; 0 = skip HF)")
     p.add_argument("--hf-timeout", type=float, default=300.0, help="give up on HF after this many seconds")
     p.add_argument("--sweep-max-bs", type=int, help="largest decode-sweep batch (default 256, 8 with --quick)")

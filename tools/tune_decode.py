@@ -22,7 +22,7 @@ def bench(batch: int, context: int, heads=16, kv_heads=8, head_dim=128, block_si
     tables = torch.cat([tables, torch.zeros(batch, 16 - blocks_per_seq, dtype=torch.int32, device="cuda")], 1)
     lens = torch.full((batch,), context, device="cuda", dtype=torch.int32)
     ms = triton.testing.do_bench(lambda: paged_decode.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.088))
-    return ms, 2 * batch * context * kv_heads * head_dim * 2 / ms / 1e9
+    return ms, 2 * batch * context * kv_heads * head_dim * 2 / ms / 1e6  # GB/s
 
 
 if __name__ == "__main__":

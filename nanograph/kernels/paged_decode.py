@@ -135,7 +135,7 @@ def _decode_merge_kernel(
 
 
 # Launch shape of the split kernel, measured with tools/tune_decode.py (H100, batch 256, context 1024).
-KEYS_PER_TILE, NUM_WARPS, NUM_STAGES = 64, 4, 3
+KEYS_PER_TILE, NUM_WARPS, NUM_STAGES = 64, 4, 2
 
 
 @functools.lru_cache
