@@ -27,7 +27,7 @@ Why the numbers are comparable:
 - HF's `generate_batch` takes a single `max_new_tokens` for all requests, so bench drives its
   `ContinuousBatchingManager` directly (`init_continuous_batching`, `add_request(...,
   max_new_tokens=n)`, `get_result`), which is what `generate_batch` does underneath, with each
-  request's own length. By default HF runs only the first `--hf-seqs` sequences (it is ~30x
+  request's own length. By default HF runs only the first `--hf-seqs` (32) sequences (it is ~30x
   slower); its tokens/s on that subset is the figure to compare, and the table says so.
 
 `--quick --device cpu` runs every section on a tiny Qwen3 shape and workload in float32, for CI
@@ -691,7 +691,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--decode-sweep", action="store_true", help="decode-step latency vs batch size, graph vs eager")
     p.add_argument("--all", action="store_true", help="--decode-sweep --compare --ladders")
     p.add_argument("--hf-seqs", type=int, default=32,
-                   help="HF runs the first N sequences of the workload (default 64; 256 = all of it; 0 = skip HF)")
+                   help="HF runs the first N sequences of the workload (default 32; 256 = all of it; 0 = skip HF)")
     p.add_argument("--hf-timeout", type=float, default=300.0, help="give up on HF after this many seconds")
     p.add_argument("--sweep-max-bs", type=int, help="largest decode-sweep batch (default 256, 8 with --quick)")
     p.add_argument("--sweep-context-len", type=int, help="decode-sweep context length (default 512, 32 with --quick)")
