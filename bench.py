@@ -555,15 +555,19 @@ def measure_decode_sweep(llm, setup: Setup) -> dict:
     args, runner = setup.args, llm.runner
     ctx = args.sweep_context_len
     rows = []
+    # With tensor parallelism only rank 0 would drop its graphs: time the graphs alone.
+    time_eager = args.tp == 1 or runner.graphs is None
     for bs in sweep_sizes(args.sweep_max_bs):
         step = decode_step(bs, ctx, runner.block_size)
-        graph_s = None
+        graph_s = eager_s = None
         if runner.graphs is not None and runner.graphs.can_run(bs):
             graph_s = time_forward(runner, step, setup.device, args.sweep_iters)
-        with eager(runner):
-            eager_s = time_forward(runner, step, setup.device, args.sweep_iters)
-        rows.append({"batch": bs, "graph_ms": graph_s * 1e3 if graph_s else None, "eager_ms": eager_s * 1e3,
-                     "speedup": eager_s / graph_s if graph_s else None})
+        if time_eager:
+            with eager(runner):
+                eager_s = time_forward(runner, step, setup.device, args.sweep_iters)
+        rows.append({"batch": bs, "graph_ms": graph_s * 1e3 if graph_s else None,
+                     "eager_ms": eager_s * 1e3 if eager_s else None,
+                     "speedup": eager_s / graph_s if graph_s and eager_s else None})
 
     # batch 1: the whole per-token loop (schedule, forward, sample) against the weight-read floor
     tied = bool(getattr(llm.config.hf_config, "tie_word_embeddings", False))
@@ -573,8 +577,9 @@ def measure_decode_sweep(llm, setup: Setup) -> dict:
     latency = {}
     if runner.graphs is not None and runner.graphs.can_run(1):
         latency["graphs"] = per_token_latency(llm, setup, prompt_len, new_tokens, seed=2)
-    with eager(runner):
-        latency["eager"] = per_token_latency(llm, setup, prompt_len, new_tokens, seed=3)
+    if time_eager:
+        with eager(runner):
+            latency["eager"] = per_token_latency(llm, setup, prompt_len, new_tokens, seed=3)
     batch1 = {"prompt_len": prompt_len, "new_tokens": new_tokens, "weight_bytes": weights,
               "copy_bandwidth_Bps": bandwidth, "floor_ms_per_token": weights / bandwidth * 1e3,
               **{f"{k}_ms_per_token": v * 1e3 if v else None for k, v in latency.items()}}
@@ -586,7 +591,8 @@ def print_decode_sweep(sweep: dict, cuda: bool) -> None:
         print("\n(CPU: no CUDA graphs, the decode sweep times the eager path only)")
     print_table(f"One decode step (forward, no sampling), context {sweep['context_len']}, {sweep['iters']} iterations",
                 ["batch", "graph ms", "eager ms", "speed-up", "graph tok/s"],
-                [[r["batch"], f"{r['graph_ms']:.3f}" if r["graph_ms"] else "-", f"{r['eager_ms']:.3f}",
+                [[r["batch"], f"{r['graph_ms']:.3f}" if r["graph_ms"] else "-",
+                  f"{r['eager_ms']:.3f}" if r["eager_ms"] else "-",
                   f"{r['speedup']:.2f}x" if r["speedup"] else "-",
                   f"{r['batch'] / r['graph_ms'] * 1e3:,.0f}" if r["graph_ms"] else "-"] for r in sweep["rows"]])
     b = sweep["batch1"]
@@ -606,9 +612,6 @@ def print_decode_sweep(sweep: dict, cuda: bool) -> None:
 
 
 def section_decode_sweep(setup: Setup) -> dict:
-    if setup.args.tp > 1:
-        print("\n(decode sweep skipped: it drives one ModelRunner directly; run it with --tp 1)")
-        return {"skipped": "tensor_parallel_size > 1"}
     print(f"  [decode sweep] batch 1..{setup.args.sweep_max_bs}, context {setup.args.sweep_context_len} ...", flush=True)
     llm = sweep_engine(setup)
     try:
@@ -638,7 +641,7 @@ def write_plot(path: str, report: dict) -> None:
         graph = [(r["batch"], r["graph_ms"]) for r in rows if r["graph_ms"]]
         if graph:
             left.plot(*zip(*graph), "o-", label="CUDA graph")
-        left.plot(batch, [r["eager_ms"] for r in rows], "s-", label="eager")
+        left.plot(batch, [r["eager_ms"] or float("nan") for r in rows], "s-", label="eager")
         left.set_xscale("log", base=2)
         left.set_xticks(batch, [str(b) for b in batch])
         left.set_xlabel("batch size")
@@ -687,6 +690,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-kvcache-blocks", type=int, help="fix the KV cache size (default: from memory)")
     p.add_argument("--quick", action="store_true", help="tiny model and workload (CI); every section runs, tiny")
     p.add_argument("--compare", action="store_true", help="nanograph graphs vs eager vs HF transformers")
+    p.add_argument("--run", action="store_true", help="the reference workload (the default when no section is named)")
     p.add_argument("--ladders", action="store_true", help="the workload under each bucket-ladder policy")
     p.add_argument("--decode-sweep", action="store_true", help="decode-step latency vs batch size, graph vs eager")
     p.add_argument("--all", action="store_true", help="--decode-sweep --compare --ladders")
@@ -745,7 +749,7 @@ def meta(setup: Setup) -> dict:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    run_default = args.compare or not (args.ladders or args.decode_sweep)
+    run_default = args.run or args.compare or not (args.ladders or args.decode_sweep)
     with tempfile.TemporaryDirectory(prefix="nanograph-bench-") as tmp:
         setup = build_setup(args, tmp)
         report = {"meta": meta(setup), "workload": setup.workload.summary()}

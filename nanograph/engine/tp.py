@@ -131,7 +131,7 @@ class TensorParallelRunner:
             self.fail(e)
         # what LLM reads from its runner; the stats are rank 0's (every rank replays the same buckets)
         self.num_kv_blocks, self.backend = self.runner.num_kv_blocks, self.runner.backend
-        self.graphs = self.runner.graphs
+        self.graphs, self.model, self.block_size = self.runner.graphs, self.runner.model, self.runner.block_size
 
     def dead_worker(self, wait_s: float = 0.0) -> str | None:
         """A message naming the first worker that has exited, waiting up to wait_s for one to."""
@@ -154,13 +154,16 @@ class TensorParallelRunner:
             raise RuntimeError("this LLM has been closed")
         if (dead := self.dead_worker()):
             self.fail(RuntimeError(dead))
-        step = build_step(seqs, is_prefill, self.runner.block_size)
         try:
-            broadcast_step(step, self.group_ref[0])
-            logits = self.runner.forward(step)
+            logits = self.forward(build_step(seqs, is_prefill, self.block_size))
             return sample(logits, self.runner.sampling_batch(seqs)).tolist()
         except BaseException as e:
             self.fail(e)
+
+    def forward(self, step: StepInput):
+        """Every rank runs `step`: send it, then compute rank 0's share. Returns rank 0's logits."""
+        broadcast_step(step, self.group_ref[0])
+        return self.runner.forward(step)
 
     def close(self) -> None:
         self.closed = True
