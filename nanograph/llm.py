@@ -53,7 +53,9 @@ class LLM:
         return found
 
     def close(self) -> None:
-        getattr(self.runner, "close", lambda: None)()
+        """Free the device memory (and with tensor parallelism, the workers) now, not at garbage
+        collection: the next LLM sizes its KV cache from the memory it finds free."""
+        self.runner.close()
 
     def __enter__(self):
         return self

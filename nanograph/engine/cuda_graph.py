@@ -190,7 +190,8 @@ class CudaGraphRunner:
             self.forward(bs)  # warm-up: compile, autotune, allocate workspaces outside the graph
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            # thread_local: other threads (NCCL's watchdog polls its events) may keep calling CUDA
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                 self.logits[bs] = self.forward(bs)
             pool = graph.pool()
             self.graphs[bs] = graph

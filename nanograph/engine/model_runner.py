@@ -180,6 +180,11 @@ class ModelRunner:
         return SamplingBatch(temps, all(p.temperature == 0 for p in params), top_ks, top_ps,
                              [seq.generator for seq in seqs])
 
+    def close(self) -> None:
+        self.graphs = self.model = self.kv_cache = self.attention_layers = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
         logits = self.forward(build_step(seqs, is_prefill, self.block_size))
         return sample(logits, self.sampling_batch(seqs)).tolist()

@@ -168,3 +168,5 @@ class TensorParallelRunner:
     def close(self) -> None:
         self.closed = True
         self._finalizer()
+        if hasattr(self, "runner"):
+            self.runner.close()
