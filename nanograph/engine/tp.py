@@ -83,23 +83,32 @@ def worker_main(config: Config, rank: int, port: int) -> None:
     runner = ModelRunner(config, rank)
     while (step := broadcast_step(None, group)) is not None:
         runner.forward(step)
+    runner.close()  # its graphs hold NCCL work: free them before the communicator goes
     dist.destroy_process_group()
 
 
 def shutdown(procs: list, group_ref: list, num_threads: int) -> None:
-    """Ask the workers to exit, wait, kill stragglers, destroy the process groups. Runs once."""
-    if group_ref[0] is not None and all(p.is_alive() for p in procs):
+    """Ask the workers to exit, destroy the process groups with them, reap them. Runs once.
+
+    NCCL tears a communicator down collectively, so rank 0 destroys its groups while the workers
+    destroy theirs (they do on receiving None), and only then waits for them; destroying after a
+    worker is gone would wait for it forever, so with a rank dead NCCL's groups are aborted."""
+    everyone = group_ref[0] is not None and all(p.is_alive() for p in procs)
+    if everyone:
         try:
             broadcast_step(None, group_ref[0])
         except Exception:
-            pass
+            everyone = False
+    if dist.is_initialized():
+        if everyone or dist.get_backend() != "nccl":
+            dist.destroy_process_group()
+        else:
+            dist.distributed_c10d._abort_process_group()
     for p in procs:
         p.join(timeout=10)
         if p.is_alive():
             p.kill()
             p.join()
-    if dist.is_initialized():
-        dist.destroy_process_group()
     torch.set_num_threads(num_threads)
 
 
@@ -167,6 +176,6 @@ class TensorParallelRunner:
 
     def close(self) -> None:
         self.closed = True
-        self._finalizer()
         if hasattr(self, "runner"):
             self.runner.close()
+        self._finalizer()
