@@ -175,20 +175,25 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
+def seconds_per_call(fn, device: str, iters: int, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    synchronize(device)
+    return (time.perf_counter() - start) / iters
+
+
 def measure_copy_bandwidth(device: str, nbytes: int, iters: int = 10) -> float:
     """Bytes moved per second by a device-to-device copy (each copy reads n and writes n bytes)."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    dst.copy_(src)
-    synchronize(device)
-    start = time.perf_counter()
-    for _ in range(iters):
-        dst.copy_(src)
-    synchronize(device)
-    seconds = time.perf_counter() - start
+    seconds = seconds_per_call(lambda: dst.copy_(src), device, iters)
     del src, dst
     free_memory()
-    return 2 * nbytes * iters / seconds
+    return 2 * nbytes / seconds
 
 
 def weight_read_bytes(model: torch.nn.Module, tied: bool) -> int:
@@ -504,15 +509,8 @@ def eager(runner):
         runner.graphs = graphs
 
 
-def time_forward(runner, step, device: str, iters: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        runner.forward(step)
-    synchronize(device)
-    start = time.perf_counter()
-    for _ in range(iters):
-        runner.forward(step)
-    synchronize(device)
-    return (time.perf_counter() - start) / iters
+def time_forward(runner, step, device: str, iters: int) -> float:
+    return seconds_per_call(lambda: runner.forward(step), device, iters, warmup=3)
 
 
 def per_token_latency(llm, setup: Setup, prompt_len: int, new_tokens: int, seed: int) -> float | None:

@@ -43,6 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nanograph.kernels.tiles import load_kv_tile, online_softmax_step
+
 
 @triton.jit
 def _decode_split_kernel(
@@ -79,22 +81,14 @@ def _decode_split_kernel(
         # BLOCK_N divides BLOCK_SIZE, so the whole tile sits in one cache block.
         keys = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         block = tl.load(block_tables_ptr + seq * stride_bt + tile * BLOCK_N // BLOCK_SIZE)
-        offs = (block.to(tl.int64) * stride_cache_block + (keys % BLOCK_SIZE) * stride_cache_slot
-                + kv_head * stride_cache_head)
         key_mask = keys < context_len
-        kv_mask = key_mask[:, None] & dim_mask[None, :]
-        k = tl.load(k_cache_ptr + offs[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + offs[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-
+        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, block, keys, kv_head, dims,
+                            key_mask[:, None] & dim_mask[None, :],
+                            stride_cache_block, stride_cache_slot, stride_cache_head, BLOCK_SIZE)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
         scores = tl.where(key_mask[None, :], scores, float("-inf"))  # [GROUP_PAD, BLOCK_N]
-        # Every tile in range holds at least one real key, so m_new is finite.
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        p = tl.exp(scores - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        # Every tile in range holds at least one real key, so the running max stays finite.
+        m_i, l_i, acc = online_softmax_step(scores, v, m_i, l_i, acc, DOT_PRECISION)
 
     # Scratch layout: o_part [B, Hq, num_splits, D_PAD], lse [B, Hq, num_splits].
     part = (seq * (GROUP * tl.num_programs(1)) + heads) * num_splits + split

@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nanograph.kernels.tiles import load_kv_tile, online_softmax_step
+
 
 @triton.jit
 def _prefill_kernel(
@@ -68,23 +70,15 @@ def _prefill_kernel(
     for kv_start in range(0, kv_end, BLOCK_N):
         keys = kv_start + tl.arange(0, BLOCK_N)
         block = tl.load(block_tables_ptr + seq * stride_bt + kv_start // BLOCK_SIZE)
-        offs = (block.to(tl.int64) * stride_cache_block + (keys % BLOCK_SIZE) * stride_cache_slot
-                + kv_head * stride_cache_head)
-        kv_mask = (keys < kv_end)[:, None] & dim_mask[None, :]
-        k = tl.load(k_cache_ptr + offs[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + offs[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-
+        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, block, keys, kv_head, dims,
+                            (keys < kv_end)[:, None] & dim_mask[None, :],
+                            stride_cache_block, stride_cache_slot, stride_cache_head, BLOCK_SIZE)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
         # Causal mask; it also hides keys >= kv_end from every real query.
         scores = tl.where(keys[None, :] <= q_pos[:, None], scores, float("-inf"))
         # Key 0 is visible to every row, so after the first tile m_i is finite
         # and rows that see nothing in a later tile just get p == 0.
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        p = tl.exp(scores - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(scores, v, m_i, l_i, acc, DOT_PRECISION)
 
     out = acc / l_i[:, None]
     tl.store(out_ptr + (q_start + rows)[:, None] * stride_on + head * stride_oh + dims[None, :],

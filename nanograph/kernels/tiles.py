@@ -1,0 +1,33 @@
+"""The two steps both attention kernels repeat for every tile of keys.
+
+- `load_kv_tile`: a tile of BLOCK_N keys lies inside one cache block (BLOCK_N divides the block
+  size), so one block-table entry locates all its rows: slot offsets are computed once per tile.
+- `online_softmax_step`: flash attention's running softmax. For each query row we keep the
+  running max m, the running sum of exp l and the unnormalised output acc; a new tile with a
+  larger max rescales the old sums by exp(m_old - m_new), so the scores of the whole context are
+  never held at once. The caller divides acc by l at the end.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def load_kv_tile(k_cache_ptr, v_cache_ptr, block, keys, kv_head, dims, mask,
+                 stride_cache_block, stride_cache_slot, stride_cache_head, BLOCK_SIZE: tl.constexpr):
+    offs = (block.to(tl.int64) * stride_cache_block + (keys % BLOCK_SIZE) * stride_cache_slot
+            + kv_head * stride_cache_head)
+    k = tl.load(k_cache_ptr + offs[:, None] + dims[None, :], mask=mask, other=0.0)
+    v = tl.load(v_cache_ptr + offs[:, None] + dims[None, :], mask=mask, other=0.0)
+    return k, v
+
+
+@triton.jit
+def online_softmax_step(scores, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
+    """Fold scores [M, N] (masked entries -inf, at least one finite per row overall) and their
+    values [N, D] into (m_i, l_i, acc)."""
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    p = tl.exp(scores - m_new[:, None])
+    alpha = tl.exp(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
