@@ -57,6 +57,8 @@ class Config:
             raise ValueError(f"cuda_graph_policy must be one of {LADDER_POLICIES}, got {self.cuda_graph_policy!r}")
         if self.attention_backend not in ("auto", "flash_attn", "triton", "torch"):
             raise ValueError(f"attention_backend must be auto, flash_attn, triton or torch, got {self.attention_backend!r}")
+        if self.attention_backend == "flash_attn" and bs != 256:
+            raise ValueError(f"attention_backend='flash_attn' needs kvcache_block_size=256, got {bs}")
         if self.cuda_graph_sizes is not None and (not self.cuda_graph_sizes or min(self.cuda_graph_sizes) < 1):
             raise ValueError(f"cuda_graph_sizes must be a non-empty list of batch sizes >= 1, got {self.cuda_graph_sizes}")
         self.model_dir = resolve_model_dir(self.model, weights=self.load_format != "dummy")

@@ -47,3 +47,8 @@ def test_unknown_model_path_and_bad_knobs(tmp_path, tiny_model):
         LLM(tiny_model("qwen3"), kvcache_block_size=24)
     with pytest.raises(ValueError, match="cuda_graph_policy"):
         LLM(tiny_model("qwen3"), cuda_graph_policy="fibonacci")
+
+
+def test_flash_attn_needs_block_size_256(tiny_model):
+    with pytest.raises(ValueError, match="flash_attn' needs kvcache_block_size=256"):
+        LLM(tiny_model("qwen3"), attention_backend="flash_attn", kvcache_block_size=16)

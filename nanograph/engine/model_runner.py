@@ -73,7 +73,7 @@ class ModelRunner:
             init_dummy_weights(self.model, config.seed)
         else:
             load_weights(self.model, config.model_dir)
-        self.backend = resolve_backend(config.attention_backend, self.device)
+        self.backend = resolve_backend(config.attention_backend, self.device, self.block_size)
         self.attention_layers = [layer.self_attn.attn for layer in self.model.model.layers]
         for attn in self.attention_layers:
             attn.backend = self.backend

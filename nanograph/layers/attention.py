@@ -93,14 +93,14 @@ BACKENDS = {  # name -> (store, prefill, decode)
 }
 
 
-def resolve_backend(name: str, device: torch.device) -> str:
+def resolve_backend(name: str, device: torch.device, block_size: int) -> str:
     if name != "auto":
         return name
     if device.type != "cuda":
         return "torch"
     try:
         import flash_attn  # noqa: F401
-        return "flash_attn"
+        return "flash_attn" if block_size == 256 else "triton"  # its paged kernels need 256
     except ImportError:
         return "triton"
 
