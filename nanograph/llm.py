@@ -39,6 +39,7 @@ class LLM:
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.seq_ids = count()
+        self.closed = False
 
     def _eos_ids(self) -> set[int]:
         ids = self.config.hf_config.eos_token_id
@@ -56,6 +57,7 @@ class LLM:
         """Free the device memory (and with tensor parallelism, the workers) now, not at garbage
         collection: the next LLM sizes its KV cache from the memory it finds free."""
         self.runner.close()
+        self.closed = True
 
     def __enter__(self):
         return self
@@ -92,6 +94,8 @@ class LLM:
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[dict]:
+        if self.closed:
+            raise RuntimeError("this LLM has been closed")
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             raise ValueError("prompts must be a list of prompts (str or list of token ids)")
         params = sampling_params if sampling_params is not None else SamplingParams()

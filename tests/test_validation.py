@@ -52,3 +52,10 @@ def test_unknown_model_path_and_bad_knobs(tmp_path, tiny_model):
 def test_flash_attn_needs_block_size_256(tiny_model):
     with pytest.raises(ValueError, match="flash_attn' needs kvcache_block_size=256"):
         LLM(tiny_model("qwen3"), attention_backend="flash_attn", kvcache_block_size=16)
+
+
+def test_generate_after_close_is_a_clear_error(tiny_model):
+    llm = LLM(tiny_model("qwen3"), kvcache_block_size=16, num_kvcache_blocks=8)
+    llm.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        llm.generate([[1, 2, 3]], use_tqdm=False)
