@@ -40,7 +40,12 @@ class StepInput:
 
 
 def build_step(seqs: list[Sequence], is_prefill: bool, block_size: int) -> StepInput:
-    step = StepInput(is_prefill, [], [], [], [], [], [0])
+    if not is_prefill:  # the hot path: one token per sequence, its last, at position len - 1
+        pos = [len(seq) - 1 for seq in seqs]
+        return StepInput(False, [seq.token_ids[-1] for seq in seqs], pos,
+                         [seq.block_table[p // block_size] * block_size + p % block_size for seq, p in zip(seqs, pos)],
+                         [p + 1 for p in pos], [seq.block_table for seq in seqs], list(range(len(seqs) + 1)))
+    step = StepInput(True, [], [], [], [], [], [0])
     for seq in seqs:
         start, end = seq.num_computed_tokens, seq.num_computed_tokens + seq.num_scheduled_tokens
         step.input_ids += seq.token_ids[start:end]

@@ -88,8 +88,8 @@ class Scheduler:
                 continue  # a prefill chunk: its logits predict nothing new
             seq.token_ids.append(token)
             p = seq.params
-            if ((not p.ignore_eos and token in eos_ids) or token in (p.stop_token_ids or ())
-                    or len(seq.completion_token_ids) >= p.max_tokens or len(seq) >= max_model_len):
+            if ((not p.ignore_eos and token in eos_ids) or (p.stop_token_ids and token in p.stop_token_ids)
+                    or len(seq) - seq.num_prompt_tokens >= p.max_tokens or len(seq) >= max_model_len):
                 seq.status = Status.FINISHED
                 self.block_manager.free(seq)
                 self.running.remove(seq)
