@@ -111,10 +111,11 @@ class BlockManager:
                 self.free_block_ids.append(block_id)
         seq.block_table, seq.num_hashed_blocks = [], 0
 
-    def can_append(self, seq: Sequence) -> bool:
-        """Decode writes token len-1; it needs a new block when that token starts one."""
-        return len(seq.block_table) * self.block_size >= len(seq) or self.num_free_blocks > 0
-
-    def append_block_if_needed(self, seq: Sequence) -> None:
+    def append_slot(self, seq: Sequence) -> bool:
+        """Make room for the token decode writes next (token len-1): a new block when that token
+        starts one. False when it does and no block is free."""
         if len(seq.block_table) * self.block_size < len(seq):
+            if not self.free_block_ids:
+                return False
             seq.block_table.append(self._take_free_block())
+        return True

@@ -59,13 +59,12 @@ class Scheduler:
 
         while self.running and len(batch) < self.max_num_seqs:
             seq = self.running.popleft()
-            while not self.block_manager.can_append(seq):
+            while not self.block_manager.append_slot(seq):
                 victim = self.running.pop() if self.running else seq
                 self.preempt(victim)
                 if victim is seq:
                     break
             else:
-                self.block_manager.append_block_if_needed(seq)
                 seq.num_scheduled_tokens = 1
                 batch.append(seq)
         self.running.extendleft(reversed(batch))
