@@ -301,7 +301,8 @@ def main() -> None:
         "train_seconds": round(train_s, 1),
         "tokens_per_second": round(tokens / train_s),
         "wall_seconds": round(time.time() - t0, 1),
-        "stdlib_python": sys.version.split()[0],
+        "python": sys.version.split()[0],
+        "stdlib": str(args.stdlib or sysconfig.get_paths()["stdlib"]),
         "seed": args.seed,
     }
     (args.out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
