@@ -22,6 +22,7 @@ from nanograph.engine.sequence import Sequence
 from nanograph.layers.attention import resolve_backend
 from nanograph.layers.sampler import SamplingBatch, sample
 from nanograph.models.decoder import DecoderForCausalLM
+from nanograph.sampling_params import SamplingParams
 from nanograph.utils.context import AttentionMetadata, set_attention_metadata
 from nanograph.utils.loader import init_dummy_weights, load_weights
 
@@ -82,14 +83,17 @@ class ModelRunner:
         self.attention_layers = [layer.self_attn.attn for layer in self.model.model.layers]
         for attn in self.attention_layers:
             attn.backend = self.backend
+        first = self.model.model.layers[0].self_attn
+        # one cache block of one layer: [block_size, kv_heads on this rank, head_dim]
+        self.kv_block_shape = (self.block_size, first.num_kv_heads, first.head_dim)
         self.num_kv_blocks = self.allocate_kv_cache()
         self.graphs = CudaGraphRunner(self) if self.device.type == "cuda" else None
 
     # ---- KV cache ------------------------------------------------------------------------
     def allocate_kv_cache(self) -> int:
-        attn = self.model.model.layers[0].self_attn
-        shape = (len(self.attention_layers), self.block_size, attn.num_kv_heads, attn.head_dim)
-        block_bytes = 2 * shape[0] * shape[1] * shape[2] * shape[3] * self.config.torch_dtype.itemsize
+        block_bytes = 2 * len(self.attention_layers) * self.config.torch_dtype.itemsize
+        for dim in self.kv_block_shape:
+            block_bytes *= dim
         num_blocks = self.config.num_kvcache_blocks
         if num_blocks is None and self.device.type == "cuda":
             peak = self.measure_activation_peak()
@@ -106,12 +110,11 @@ class ModelRunner:
         if num_blocks < 1:
             raise ValueError("no memory left for the KV cache: lower max_num_batched_tokens or raise "
                              "gpu_memory_utilization")
-        self.bind_kv_cache(num_blocks, shape)
+        self.bind_kv_cache(num_blocks)
         return num_blocks
 
-    def bind_kv_cache(self, num_blocks: int, shape: tuple[int, int, int, int]) -> None:
-        layers, block_size, heads, dim = shape
-        self.kv_cache = torch.zeros(2, layers, num_blocks, block_size, heads, dim,
+    def bind_kv_cache(self, num_blocks: int) -> None:
+        self.kv_cache = torch.zeros(2, len(self.attention_layers), num_blocks, *self.kv_block_shape,
                                     dtype=self.config.torch_dtype, device=self.device)
         for i, attn in enumerate(self.attention_layers):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
@@ -121,25 +124,21 @@ class ModelRunner:
         enough for it, and return the activation memory it peaked at."""
         tokens = self.config.max_num_batched_tokens
         num_seqs = max(1, min(self.config.max_num_seqs, tokens // self.config.max_model_len))
-        attn = self.model.model.layers[0].self_attn
         blocks_per_seq = -(-tokens // num_seqs // self.block_size) + 1
-        self.bind_kv_cache(num_seqs * blocks_per_seq, (len(self.attention_layers), self.block_size,
-                                                       attn.num_kv_heads, attn.head_dim))
-        lens = [tokens // num_seqs] * num_seqs
-        step = StepInput(True, [0] * sum(lens), [], [], lens, [], [0])
-        for s, n in enumerate(lens):
-            table = list(range(s * blocks_per_seq, (s + 1) * blocks_per_seq))
-            step.positions += range(n)
-            step.slot_mapping += [table[p // self.block_size] * self.block_size + p % self.block_size for p in range(n)]
-            step.block_tables.append(table)
-            step.cu_seqlens_q.append(step.cu_seqlens_q[-1] + n)
+        self.bind_kv_cache(num_seqs * blocks_per_seq)
+        seqs = [Sequence(s, [0] * (tokens // num_seqs), SamplingParams(), self.block_size, "cpu")
+                for s in range(num_seqs)]
+        for s, seq in enumerate(seqs):
+            seq.block_table = list(range(s * blocks_per_seq, (s + 1) * blocks_per_seq))
+            seq.num_scheduled_tokens = len(seq)
+        step = build_step(seqs, True, self.block_size)
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
         self.forward(step)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before
-        self.bind_kv_cache(0, (len(self.attention_layers), self.block_size, attn.num_kv_heads, attn.head_dim))
+        self.bind_kv_cache(0)
         torch.cuda.empty_cache()
         return peak
 

@@ -38,8 +38,8 @@ class DecoderAttention(nn.Module):
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size,
                                         bias and cfg.model_type != "qwen2")
-        self.qk_norm = cfg.model_type == "qwen3"
-        if self.qk_norm:
+        self.q_norm = self.k_norm = None  # Qwen3's per-head qk-norm, fused with rotary
+        if cfg.model_type == "qwen3":
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.rope = rope
@@ -51,10 +51,7 @@ class DecoderAttention(nn.Module):
         q = q.unflatten(-1, (self.num_heads, self.head_dim))
         k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))
         v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
-        if self.qk_norm:
-            q, k = self.rope(positions, q, k, self.q_norm, self.k_norm)
-        else:
-            q, k = self.rope(positions, q, k)
+        q, k = self.rope(positions, q, k, self.q_norm, self.k_norm)
         return self.o_proj(self.attn(q, k, v).flatten(1))
 
 
