@@ -205,6 +205,14 @@ class CudaGraphRunner:
         self.stats.capture_seconds = time.perf_counter() - start
         self.stats.graph_memory_bytes = reserved - base_reserved
 
+    def close(self) -> None:
+        """Destroy the graphs now, whoever still holds this runner. NCCL counts every graph that
+        captured one of its collectives, and destroying the communicator waits for that count to
+        reach zero: a graph left alive makes the tensor-parallel shutdown hang."""
+        self.graphs.clear()
+        self.logits.clear()
+        self.ladder = []
+
     def can_run(self, n: int) -> bool:
         return bool(self.ladder) and n <= self.ladder[-1]
 

@@ -185,6 +185,8 @@ class ModelRunner:
                              [seq.generator for seq in seqs])
 
     def close(self) -> None:
+        if self.graphs is not None:
+            self.graphs.close()
         self.graphs = self.model = self.kv_cache = self.attention_layers = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

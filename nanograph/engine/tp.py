@@ -83,7 +83,7 @@ def worker_main(config: Config, rank: int, port: int) -> None:
     runner = ModelRunner(config, rank)
     while (step := broadcast_step(None, group)) is not None:
         runner.forward(step)
-    runner.close()  # its graphs hold NCCL work: free them before the communicator goes
+    runner.close()  # its graphs hold references on the NCCL communicator: free them before it goes
     dist.destroy_process_group()
 
 
@@ -140,7 +140,11 @@ class TensorParallelRunner:
             self.fail(e)
         # what LLM reads from its runner; the stats are rank 0's (every rank replays the same buckets)
         self.num_kv_blocks, self.backend = self.runner.num_kv_blocks, self.runner.backend
-        self.graphs, self.model, self.block_size = self.runner.graphs, self.runner.model, self.runner.block_size
+        self.model, self.block_size = self.runner.model, self.runner.block_size
+
+    @property
+    def graphs(self):  # not a copy: close() must leave no reference to the graphs (see CudaGraphRunner.close)
+        return self.runner.graphs
 
     def dead_worker(self, wait_s: float = 0.0) -> str | None:
         """A message naming the first worker that has exited, waiting up to wait_s for one to."""
