@@ -139,26 +139,39 @@ def tolerance(dtype):
 # ---------------------------------------------------------------- checks
 
 
-def check_store(device, dtype, block_size, head_dim, num_tokens, slot_dtype):
+def check_rotate_and_store(device, dtype, block_size, head_dim, num_tokens, slot_dtype, qk_norm):
+    """Against the torch path: rotary.norm_and_rotate, then indexed assignment into the cache."""
     kv_store, _, _ = kernels()
+    from nanograph.layers.rotary import RotaryEmbedding, norm_and_rotate
+
     gen = torch.Generator().manual_seed(0)
-    num_kv_heads, num_blocks = 4, math.ceil(num_tokens / block_size) + 3
+    num_q_heads, num_kv_heads, num_blocks = 6, 2, math.ceil(num_tokens / block_size) + 3
+    rope = RotaryEmbedding(head_dim, 4096, {"rope_theta": 10000.0}).to(dtype)
     k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
     v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
-    kv = torch.randn(num_tokens, 2 * num_kv_heads, head_dim, generator=gen).to(dtype)
-    k, v = kv[:, :num_kv_heads], kv[:, num_kv_heads:]  # strided views, like a fused projection
+    qkv = torch.randn(num_tokens, num_q_heads + 2 * num_kv_heads, head_dim, generator=gen).to(dtype)
+    q, k, v = qkv.split([num_q_heads, num_kv_heads, num_kv_heads], dim=1)  # strided views, like the model's
+    positions = torch.randint(0, 4096, (num_tokens,), generator=gen)
+    weights = [(1 + 0.1 * torch.randn(head_dim, generator=gen)).to(dtype) for _ in range(2)] if qk_norm else [None] * 2
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
     slots[::3] = -1  # padded rows
 
-    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    ref_q, ref_k = norm_and_rotate(q, k, positions, rope.cos, rope.sin, *weights, 1e-6)
+    ref_k_cache, ref_v_cache = k_cache.clone(), v_cache.clone()
     keep = slots >= 0
-    ref_k.flatten(0, 1)[slots[keep]] = k[keep]
-    ref_v.flatten(0, 1)[slots[keep]] = v[keep]
+    ref_k_cache.flatten(0, 1)[slots[keep]] = ref_k[keep]
+    ref_v_cache.flatten(0, 1)[slots[keep]] = v[keep]
 
-    k_cache, v_cache = k_cache.to(device), v_cache.to(device)
-    kv_store.store_kv(k.to(device), v.to(device), k_cache, v_cache, slots.to(device, slot_dtype))
-    assert torch.equal(k_cache.cpu(), ref_k)
-    assert torch.equal(v_cache.cpu(), ref_v)
+    to = lambda t: None if t is None else t.to(device)
+    k_cache, v_cache = to(k_cache), to(v_cache)
+    out_q = kv_store.rotate_and_store(to(q), to(k), to(v), to(positions), to(rope.cos), to(rope.sin),
+                                      to(weights[0]), to(weights[1]), 1e-6, k_cache, v_cache,
+                                      slots.to(device, slot_dtype))
+    assert out_q.dtype == dtype and out_q.shape == q.shape
+    assert rel_err(out_q.cpu(), ref_q.float()) < tolerance(dtype)
+    assert rel_err(k_cache.cpu(), ref_k_cache.float()) < tolerance(dtype)
+    assert torch.equal(k_cache.cpu().flatten(0, 1)[slots[~keep]], ref_k_cache.flatten(0, 1)[slots[~keep]])
+    assert torch.equal(v_cache.cpu(), ref_v_cache)
 
 
 def check_decode(device, dtype, block_size, group, head_dim, lens, num_kv_heads=2):
@@ -211,8 +224,9 @@ def check_prefill(device, dtype, block_size, group, head_dim, seqs, num_kv_heads
 @pytest.mark.parametrize("block_size", [16, 256])
 @pytest.mark.parametrize("head_dim", [48, 128])
 @pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
-def test_store_kv(dtype, block_size, head_dim, slot_dtype):
-    check_store("cuda", dtype, block_size, head_dim, 300, slot_dtype)
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_rotate_and_store(dtype, block_size, head_dim, slot_dtype, qk_norm):
+    check_rotate_and_store("cuda", dtype, block_size, head_dim, 300, slot_dtype, qk_norm)
 
 
 @pytest.mark.gpu
@@ -318,9 +332,10 @@ def test_decode_cuda_graph_replay():
 
 
 @requires_interpreter
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_store_kv_interpreter(dtype):
-    check_store("cpu", dtype, 16, 48, 7, torch.int64)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_rotate_and_store_interpreter(dtype, qk_norm):
+    check_rotate_and_store("cpu", dtype, 16, 48, 7, torch.int64, qk_norm)
 
 
 # The interpreter's tl.dot multiplies bfloat16 operands as their raw uint16 bit

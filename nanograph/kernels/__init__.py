@@ -1,6 +1,6 @@
 """Triton kernels for the paged KV cache.
 
-- ``kv_store.store_kv``: scatter freshly computed K/V rows into cache slots.
+- ``kv_store.rotate_and_store``: qk-norm and rotary for the new tokens, K/V into their cache slots.
 - ``paged_decode.paged_decode_attention``: one query token per sequence,
   split-KV ("flash-decoding") over the paged cache.
 - ``paged_prefill.paged_prefill_attention``: packed variable-length prefill

@@ -1,61 +1,108 @@
-"""Write new K/V rows into the paged KV cache.
+"""Rotate the new queries and keys, and write the new K/V rows into the paged KV cache: one kernel.
 
-The cache of one layer is ``[num_blocks, block_size, num_kv_heads, head_dim]``
-and contiguous, so a slot ``s`` (block ``s // block_size``, offset
-``s % block_size``) is simply row ``s`` of the cache viewed as
-``[num_blocks * block_size, num_kv_heads, head_dim]``. The scheduler hands us a
-flat slot per token and the kernel never needs to know the block size.
+Between the QKV projection and attention, each token needs: Qwen3's RMSNorm over every query
+and key head (when the model has it), rotary embedding of q and k, and K/V written into the
+token's cache slot. As separate kernels that is four launches per layer (two norm reductions, the
+rotation, the store), each of which costs more than its arithmetic at batch 1; fused, it is one
+program per token that reads q, k, v once and writes q and the cache once.
 
-One program copies one token: a ``[num_kv_heads, head_dim]`` tile of K and of V,
-both padded to powers of two and masked, so any head_dim works.
+The cache of one layer is ``[num_blocks, block_size, num_kv_heads, head_dim]`` and contiguous,
+so a slot ``s`` is row ``s`` of the cache viewed as ``[num_blocks * block_size, num_kv_heads,
+head_dim]``: the kernel never needs the block size. Rotary pairs channel i with i + head_dim/2
+(the "rotate half" layout of HF's Llama/Qwen), so each head is handled as its two halves.
 
-A slot of -1 marks a padded row of a CUDA-graph batch. The program for such a
-row returns before touching memory, so replaying a captured graph with fewer
-real tokens than it was captured with never writes garbage into live blocks.
+Rounding follows the torch path (layers/rotary.py, layers/norm.py): the norm is computed in
+float32, rounded to the model dtype and scaled by the weight; cos/sin are rounded to the model
+dtype before the rotation.
+
+A slot of -1 marks a padded row of a CUDA-graph batch: its query is still rotated (and ignored),
+but nothing is written to the cache, so replaying a graph with fewer real tokens than it was
+captured with never writes garbage into live blocks.
 """
 
+import torch
 import triton
 import triton.language as tl
 
 
 @triton.jit
-def _store_kv_kernel(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-    stride_kn, stride_kh, stride_vn, stride_vh,
-    stride_cache_slot, stride_cache_head,
-    num_heads, head_dim,
-    H_PAD: tl.constexpr, D_PAD: tl.constexpr,
+def _norm_rotate(ptr, stride_h, num_heads, w_ptr, eps, cos, sin, half,
+                 HAS_NORM: tl.constexpr, H_PAD: tl.constexpr, HALF_PAD: tl.constexpr):
+    """Both halves [H_PAD, HALF_PAD] of every head at ptr, normed (optionally) and rotated."""
+    heads = tl.arange(0, H_PAD)[:, None]
+    dims = tl.arange(0, HALF_PAD)[None, :]
+    mask = (heads < num_heads) & (dims < half)
+    x1 = tl.load(ptr + heads * stride_h + dims, mask=mask, other=0.0)
+    x2 = tl.load(ptr + heads * stride_h + half + dims, mask=mask, other=0.0)
+    dtype = x1.dtype
+    if HAS_NORM:
+        a, b = x1.to(tl.float32), x2.to(tl.float32)
+        inv_rms = tl.rsqrt((tl.sum(a * a, 1) + tl.sum(b * b, 1)) / (2 * half) + eps)[:, None]
+        w1 = tl.load(w_ptr + dims, mask=dims < half)
+        w2 = tl.load(w_ptr + half + dims, mask=dims < half)
+        x1, x2 = w1 * (a * inv_rms).to(dtype), w2 * (b * inv_rms).to(dtype)
+    cos, sin = cos.to(dtype), sin.to(dtype)
+    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+
+
+@triton.jit
+def _rotate_and_store_kernel(
+    q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, q_w_ptr, k_w_ptr, eps,
+    q_out_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh,
+    stride_rope, stride_cache_slot, stride_cache_head, num_q_heads, num_kv_heads, half,
+    HAS_NORM: tl.constexpr, HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr, HALF_PAD: tl.constexpr,
 ):
     token = tl.program_id(0)
+    pos = tl.load(pos_ptr + token)
+    dims = tl.arange(0, HALF_PAD)[None, :]
+    cos = tl.load(cos_ptr + pos * stride_rope + dims, mask=dims < half)  # [1, HALF_PAD]
+    sin = tl.load(sin_ptr + pos * stride_rope + dims, mask=dims < half)
+
+    q1, q2 = _norm_rotate(q_ptr + token * stride_qn, stride_qh, num_q_heads, q_w_ptr, eps, cos, sin, half,
+                          HAS_NORM, HQ_PAD, HALF_PAD)
+    heads = tl.arange(0, HQ_PAD)[:, None]
+    mask = (heads < num_q_heads) & (dims < half)
+    tl.store(q_out_ptr + token * stride_on + heads * stride_oh + dims, q1, mask=mask)
+    tl.store(q_out_ptr + token * stride_on + heads * stride_oh + half + dims, q2, mask=mask)
+
     # int64: slot * stride_cache_slot exceeds 2**31 for caches above 2G elements.
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot < 0:
         return
-
-    heads = tl.arange(0, H_PAD)[:, None]
-    dims = tl.arange(0, D_PAD)[None, :]
-    mask = (heads < num_heads) & (dims < head_dim)  # [H_PAD, D_PAD]
-
-    k = tl.load(k_ptr + token * stride_kn + heads * stride_kh + dims, mask=mask)
-    v = tl.load(v_ptr + token * stride_vn + heads * stride_vh + dims, mask=mask)
+    k1, k2 = _norm_rotate(k_ptr + token * stride_kn, stride_kh, num_kv_heads, k_w_ptr, eps, cos, sin, half,
+                          HAS_NORM, HKV_PAD, HALF_PAD)
+    heads = tl.arange(0, HKV_PAD)[:, None]
+    mask = (heads < num_kv_heads) & (dims < half)
     dst = slot * stride_cache_slot + heads * stride_cache_head + dims
-    tl.store(k_cache_ptr + dst, k, mask=mask)
-    tl.store(v_cache_ptr + dst, v, mask=mask)
+    v_src = v_ptr + token * stride_vn + heads * stride_vh + dims
+    tl.store(k_cache_ptr + dst, k1, mask=mask)
+    tl.store(k_cache_ptr + dst + half, k2, mask=mask)
+    tl.store(v_cache_ptr + dst, tl.load(v_src, mask=mask), mask=mask)
+    tl.store(v_cache_ptr + dst + half, tl.load(v_src + half, mask=mask), mask=mask)
 
 
-def store_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
-    """k, v: [N, Hkv, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D];
-    slot_mapping: [N] int32/int64, -1 = skip the row."""
-    num_tokens, num_heads, head_dim = k.shape
-    assert k.stride(-1) == 1 and v.stride(-1) == 1
-    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+def rotate_and_store(q, k, v, positions, cos, sin, q_weight, k_weight, eps: float,
+                     k_cache, v_cache, slot_mapping) -> torch.Tensor:
+    """q: [N, Hq, D]; k, v: [N, Hkv, D] (views of the QKV output are fine); positions: [N];
+    cos, sin: [max_position, D / 2]; q_weight, k_weight: [D] qk-norm weights or None;
+    k_cache, v_cache: [num_blocks, block_size, Hkv, D]; slot_mapping: [N], -1 = don't store.
+    Returns the rotated queries [N, Hq, D]; the rotated keys and the values go to the cache."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1 and cos.stride(-1) == 1
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and head_dim % 2 == 0
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_tokens == 0:
-        return
-    _store_kv_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, slot_mapping,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(1), k_cache.stride(2),
-        num_heads, head_dim,
-        H_PAD=triton.next_power_of_2(num_heads),
-        D_PAD=triton.next_power_of_2(head_dim),
+        return q_out
+    has_norm = q_weight is not None
+    _rotate_and_store_kernel[(num_tokens,)](
+        q, k, v, positions, cos, sin, q_weight if has_norm else cos, k_weight if has_norm else cos, eps,
+        q_out, k_cache, v_cache, slot_mapping,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        q_out.stride(0), q_out.stride(1), cos.stride(0), k_cache.stride(1), k_cache.stride(2),
+        num_q_heads, num_kv_heads, head_dim // 2,
+        HAS_NORM=has_norm, HQ_PAD=triton.next_power_of_2(num_q_heads),
+        HKV_PAD=triton.next_power_of_2(num_kv_heads), HALF_PAD=triton.next_power_of_2(head_dim // 2),
     )
+    return q_out

@@ -1,7 +1,7 @@
 """Attention over the paged KV cache, with three interchangeable backends.
 
-Every step an Attention layer does two things: write the new tokens' K/V into their cache slots
-(`slot_mapping`), then attend each query to its sequence's keys, found through the sequence's
+Every step an Attention layer does two things: rotate the new tokens' queries and keys (rotary
+embedding, after Qwen3's qk-norm) and write K/V into their cache slots (`slot_mapping`), then attend each query to its sequence's keys, found through the sequence's
 block table. Prefill steps pack many tokens of many sequences (a chunk may follow a cached
 prefix, so queries sit at the *end* of their context: causal masking is bottom-right aligned);
 decode steps have exactly one query per sequence.
@@ -10,8 +10,10 @@ decode steps have exactly one query per sequence.
   scaled_dot_product_attention with an explicit mask. Slow but obviously right; runs anywhere;
   the oracle every other backend is tested against.
 - `triton`: nanograph's own kernels (nanograph/kernels), reading the cache in place. They
-  never synchronise with the host, so decode can be captured in a CUDA graph.
-- `flash_attn`: flash-attn's paged kernels, used when the package imports (needs block size 256).
+  never synchronise with the host, so decode can be captured in a CUDA graph. Norm, rotary and
+  the K/V store are one fused kernel (kernels/kv_store.py).
+- `flash_attn`: flash-attn's paged kernels, used when the package imports (needs block size 256);
+  the fused rotate-and-store kernel as with `triton`.
 """
 import torch
 import torch.nn.functional as F
@@ -20,10 +22,13 @@ from torch import nn
 from nanograph.utils.context import AttentionMetadata, get_attention_metadata
 
 
-def torch_store_kv(k, v, k_cache, v_cache, slot_mapping):
+def torch_rotate_and_store(q, k, v, positions, rotary, k_cache, v_cache, slot_mapping):
+    rope, q_norm, k_norm = rotary
+    q, k = rope(positions, q, k, q_norm, k_norm)
     keep = slot_mapping >= 0
     k_cache.view(-1, *k.shape[1:])[slot_mapping[keep]] = k[keep]
     v_cache.view(-1, *v.shape[1:])[slot_mapping[keep]] = v[keep]
+    return q
 
 
 def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
@@ -67,9 +72,12 @@ def triton_decode(q, k_cache, v_cache, md: AttentionMetadata, scale: float) -> t
     return paged_decode_attention(q, k_cache, v_cache, md.block_tables, md.context_lens, scale)
 
 
-def triton_store_kv(k, v, k_cache, v_cache, slot_mapping):
-    from nanograph.kernels.kv_store import store_kv
-    store_kv(k, v, k_cache, v_cache, slot_mapping)
+def triton_rotate_and_store(q, k, v, positions, rotary, k_cache, v_cache, slot_mapping):
+    from nanograph.kernels.kv_store import rotate_and_store
+    rope, q_norm, k_norm = rotary
+    q_weight, k_weight, eps = (None, None, 0.0) if q_norm is None else (q_norm.weight, k_norm.weight, q_norm.eps)
+    return rotate_and_store(q, k, v, positions, rope.cos, rope.sin, q_weight, k_weight, eps,
+                            k_cache, v_cache, slot_mapping)
 
 
 def flash_attn_prefill(q, k_cache, v_cache, md: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -86,10 +94,10 @@ def flash_attn_decode(q, k_cache, v_cache, md: AttentionMetadata, scale: float) 
                                    block_table=md.block_tables, softmax_scale=scale, causal=True).squeeze(1)
 
 
-BACKENDS = {  # name -> (store, prefill, decode)
-    "torch": (torch_store_kv, torch_prefill, torch_decode),
-    "triton": (triton_store_kv, triton_prefill, triton_decode),
-    "flash_attn": (triton_store_kv, flash_attn_prefill, flash_attn_decode),
+BACKENDS = {  # name -> (rotate_and_store, prefill, decode)
+    "torch": (torch_rotate_and_store, torch_prefill, torch_decode),
+    "triton": (triton_rotate_and_store, triton_prefill, triton_decode),
+    "flash_attn": (triton_rotate_and_store, flash_attn_prefill, flash_attn_decode),
 }
 
 
@@ -106,17 +114,19 @@ def resolve_backend(name: str, device: torch.device, block_size: int) -> str:
 
 
 class Attention(nn.Module):
-    """Stores K/V for the new tokens, then attends. q: [tokens, Hq, D], k/v: [tokens, Hkv, D]."""
+    """Rotates q and k, stores K/V for the new tokens, then attends.
+    q: [tokens, Hq, D], k/v: [tokens, Hkv, D], straight out of the QKV projection."""
 
-    def __init__(self, head_dim: int, scale: float):
+    def __init__(self, head_dim: int, scale: float, rope, q_norm=None, k_norm=None):
         super().__init__()
         self.head_dim, self.scale = head_dim, scale
+        self.rotary = (rope, q_norm, k_norm)  # a tuple: the parent module owns (and loads) them
         self.backend = "torch"
         self.k_cache = self.v_cache = torch.empty(0)  # bound to the cache by ModelRunner
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         md = get_attention_metadata()
-        store, prefill, decode = BACKENDS[self.backend]
-        store(k, v, self.k_cache, self.v_cache, md.slot_mapping)
+        rotate_and_store, prefill, decode = BACKENDS[self.backend]
+        q = rotate_and_store(q, k, v, positions, self.rotary, self.k_cache, self.v_cache, md.slot_mapping)
         attend = prefill if md.is_prefill else decode
         return attend(q, self.k_cache, self.v_cache, md, self.scale)

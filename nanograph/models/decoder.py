@@ -38,12 +38,12 @@ class DecoderAttention(nn.Module):
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size,
                                         bias and cfg.model_type != "qwen2")
-        self.q_norm = self.k_norm = None  # Qwen3's per-head qk-norm, fused with rotary
+        self.q_norm = self.k_norm = None  # Qwen3's per-head qk-norm, applied (fused with rotary) by attn
         if cfg.model_type == "qwen3":
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.rope = rope
-        self.attn = Attention(self.head_dim, self.head_dim ** -0.5)
+        self.rope = rope  # registered here too, so its cos/sin tables follow the model to its device
+        self.attn = Attention(self.head_dim, self.head_dim ** -0.5, rope, self.q_norm, self.k_norm)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -51,8 +51,7 @@ class DecoderAttention(nn.Module):
         q = q.unflatten(-1, (self.num_heads, self.head_dim))
         k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))
         v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
-        q, k = self.rope(positions, q, k, self.q_norm, self.k_norm)
-        return self.o_proj(self.attn(q, k, v).flatten(1))
+        return self.o_proj(self.attn(positions, q, k, v).flatten(1))
 
 
 class DecoderMLP(nn.Module):
