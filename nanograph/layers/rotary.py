@@ -11,7 +11,6 @@ import torch
 from torch import nn
 
 from nanograph.layers.norm import rms_norm_math
-from nanograph.utils.compile import cuda_compiled
 
 
 def rope_frequencies(head_dim: int, rope: dict) -> torch.Tensor:
@@ -41,10 +40,10 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
-@cuda_compiled
 def norm_and_rotate(q, k, positions, cos, sin, q_weight, k_weight, eps: float):
-    """Qwen3's per-head RMSNorm of q and k (when weights are given), then rotary: one kernel on
-    CUDA instead of a dozen, which matters at batch 1 where each kernel costs more than its math."""
+    """Qwen3's per-head RMSNorm of q and k (when weights are given), then rotary. The torch
+    attention backend's path; on CUDA the other backends run it fused with the K/V store
+    (kernels/kv_store.py)."""
     if q_weight is not None:
         q, k = rms_norm_math(q, q_weight, eps), rms_norm_math(k, k_weight, eps)
     cos, sin = cos[positions], sin[positions]

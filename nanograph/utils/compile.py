@@ -2,7 +2,7 @@
 
 A decode step at batch 1 is a few hundred tiny kernels; inside a CUDA graph their launch cost is
 gone, but each still reads and writes its tensors once. Fusing the elementwise chains (residual
-add + RMSNorm, rotary, SiLU * up) with torch.compile turns ~5 kernels into 1. On the CPU the
+add + RMSNorm, SiLU * up) with torch.compile turns ~5 kernels into 1. On the CPU the
 compile would cost seconds of start-up and a C compiler for little gain, so there the plain
 function runs. `dynamic=True` compiles one kernel for every batch size instead of one per bucket.
 """
