@@ -1,10 +1,11 @@
 """Attention over the paged KV cache, with three interchangeable backends.
 
 Every step an Attention layer does two things: rotate the new tokens' queries and keys (rotary
-embedding, after Qwen3's qk-norm) and write K/V into their cache slots (`slot_mapping`), then attend each query to its sequence's keys, found through the sequence's
-block table. Prefill steps pack many tokens of many sequences (a chunk may follow a cached
-prefix, so queries sit at the *end* of their context: causal masking is bottom-right aligned);
-decode steps have exactly one query per sequence.
+embedding, after Qwen3's qk-norm) and write K/V into their cache slots (`slot_mapping`), then
+attend each query to its sequence's keys, found through the sequence's block table. Prefill
+steps pack many tokens of many sequences (a chunk may follow a cached prefix, so queries sit at
+the *end* of their context: causal masking is bottom-right aligned); decode steps have exactly
+one query per sequence.
 
 - `torch`: the reference. It gathers each sequence's K/V through its block table and calls
   scaled_dot_product_attention with an explicit mask. Slow but obviously right; runs anywhere;
