@@ -176,6 +176,58 @@ def check_rotate_and_store(device, dtype, block_size, head_dim, num_tokens, slot
     assert torch.equal(v_cache.cpu(), ref_v_cache)
 
 
+def check_gemv(device, dtype, rows, n, k, bias, silu_and_mul, norm=None):
+    """Against F.linear (and the MLP's silu_and_mul) on the same rounded inputs. norm: None,
+    "norm" (input rms_norm(x)) or "add_norm" (input rms_norm(x + residual), sum written out)."""
+    pytest.importorskip("triton")
+    from nanograph.kernels.gemv import gemv
+    from nanograph.layers.norm import rms_norm as ref_rms_norm
+    from nanograph.models.decoder import silu_and_mul as ref_silu_and_mul
+
+    gen = torch.Generator().manual_seed(rows * n + k)
+    out_features = 2 * n if silu_and_mul else n
+    x = torch.randn(rows, k + 5, generator=gen).to(dtype)[:, :k]  # strided rows
+    w = (torch.randn(out_features, k, generator=gen) / k**0.5).to(dtype)
+    b = torch.randn(out_features, generator=gen).to(dtype) if bias else None
+    r = torch.randn(rows, k, generator=gen).to(dtype) if norm == "add_norm" else None
+    norm_w = (1 + 0.1 * torch.randn(k, generator=gen)).to(dtype) if norm else None
+    x_in = x if r is None else x + r
+    if norm:
+        x_in = ref_rms_norm(x_in, norm_w, 1e-6)
+    ref = torch.nn.functional.linear(x_in.float(), w.float(), None if b is None else b.float())
+    if silu_and_mul:
+        ref = ref_silu_and_mul(ref.to(dtype)).float()
+
+    to = lambda t: None if t is None else t.to(device)
+    r_out = torch.full((rows, k), float("nan"), dtype=dtype, device=device) if r is not None else None
+    out = gemv(to(x), to(w), to(b), silu_and_mul, to(norm_w), 1e-6, to(r), r_out)
+    assert out.dtype == dtype and out.shape == (rows, n)
+    assert rel_err(out.cpu(), ref) < tolerance(dtype)
+    if r is not None:
+        assert torch.equal(r_out.cpu(), x + r)
+
+
+def check_rms_norm(device, dtype, rows, dim, residual):
+    """Against layers/norm.py's torch path (the CPU path), bit for bit up to float rounding."""
+    pytest.importorskip("triton")
+    from nanograph.kernels.rms_norm import rms_norm
+    from nanograph.layers.norm import rms_norm as ref_rms_norm
+
+    gen = torch.Generator().manual_seed(rows + dim)
+    x = torch.randn(rows, dim, generator=gen).to(dtype)
+    r = torch.randn(rows, dim, generator=gen).to(dtype) if residual else None
+    w = (1 + 0.1 * torch.randn(dim, generator=gen)).to(dtype)
+    ref_sum = x if r is None else x + r
+    ref = ref_rms_norm(ref_sum, w, 1e-6)
+    to = lambda t: None if t is None else t.to(device)
+    out = rms_norm(to(x), to(w), 1e-6, to(r))
+    if residual:
+        out, out_sum = out
+        assert torch.equal(out_sum.cpu(), ref_sum)
+    assert out.dtype == dtype
+    assert rel_err(out.cpu(), ref.float()) < tolerance(dtype) / 10
+
+
 def check_decode(device, dtype, block_size, group, head_dim, lens, num_kv_heads=2):
     _, paged_decode, _ = kernels()
     gen = torch.Generator().manual_seed(0)
@@ -293,6 +345,78 @@ def test_prefill_dtypes_and_head_dims(dtype, head_dim, block_size):
 
 @pytest.mark.gpu
 @requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("n,k", [(4096, 1024), (1024, 3072), (1000, 200)])
+@pytest.mark.parametrize("bias,silu_and_mul,norm", [(False, False, None), (True, False, "norm"),
+                                                    (False, True, "add_norm"), (True, True, None)])
+def test_gemv(dtype, rows, n, k, bias, silu_and_mul, norm):
+    check_gemv("cuda", dtype, rows, n, k, bias, silu_and_mul, norm)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("rows", [1, 16])
+def test_gemv_lm_head_shape(rows):
+    check_gemv("cuda", torch.bfloat16, rows, 151936, 1024, False, False)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows,dim", [(1, 1024), (37, 1000), (5, 4096)])
+@pytest.mark.parametrize("residual", [False, True])
+def test_rms_norm(dtype, rows, dim, residual):
+    check_rms_norm("cuda", dtype, rows, dim, residual)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_pdl_chain_in_cuda_graph():
+    """A long chain of PDL-launched kernels (each reads the one before's output) in one graph,
+    replayed on fresh inputs: an early start that read stale data would change the result."""
+    pytest.importorskip("triton")
+    from nanograph.kernels.gemv import gemv
+    from nanograph.kernels.rms_norm import rms_norm
+    from nanograph.layers.norm import rms_norm as ref_rms_norm
+
+    gen = torch.Generator().manual_seed(5)
+    dim, hidden, layers = 512, 1536, 12
+    ws = [((torch.randn(2 * hidden, dim, generator=gen) / dim**0.5).cuda(),
+           (torch.randn(dim, hidden, generator=gen) / hidden**0.5).cuda()) for _ in range(layers)]
+    norm_w = torch.ones(dim, device="cuda")
+    x = torch.zeros(4, dim, device="cuda")
+
+    def chain(x, fused):
+        """Per layer: h = down(silu_and_mul(gate_up(norm(h + residual)))); then a final norm."""
+        h, residual = x, torch.zeros_like(x)
+        for w_up, w_down in ws:
+            if fused:
+                residual_out = torch.empty_like(residual)
+                h = gemv(h, w_up, None, True, norm_w, 1e-6, residual, residual_out)
+                h, residual = gemv(h, w_down), residual_out
+            else:
+                residual = h + residual
+                gate, up = torch.nn.functional.linear(ref_rms_norm(residual, norm_w, 1e-6), w_up).chunk(2, dim=-1)
+                h = torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, w_down)
+        return rms_norm(h, norm_w, 1e-6, residual)[0] if fused else ref_rms_norm(h + residual, norm_w, 1e-6)
+
+    stream = torch.cuda.Stream()  # warm up (compile) off the default stream before capture
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        chain(x, True)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain(x, True)
+    for _ in range(3):
+        x.copy_(torch.randn(x.shape, generator=gen))
+        graph.replay()
+        assert rel_err(out, chain(x, False)) < 1e-4
+
+
+@pytest.mark.gpu
+@requires_cuda
 def test_decode_cuda_graph_replay():
     """Capture once, then replay with other context lengths and block tables (same shapes)."""
     _, paged_decode, _ = kernels()
@@ -331,6 +455,19 @@ def test_decode_cuda_graph_replay():
 
 
 # ---------------------------------------------------------------- interpreter (CPU) tests
+
+
+@requires_interpreter
+@pytest.mark.parametrize("bias,silu_and_mul,norm", [(False, False, None), (True, True, "norm"),
+                                                    (False, True, "add_norm")])
+def test_gemv_interpreter(bias, silu_and_mul, norm):
+    check_gemv("cpu", torch.float32, 3, 40, 24, bias, silu_and_mul, norm)
+
+
+@requires_interpreter
+@pytest.mark.parametrize("residual", [False, True])
+def test_rms_norm_interpreter(residual):
+    check_rms_norm("cpu", torch.float32, 3, 40, residual)
 
 
 @requires_interpreter

@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nanograph.kernels.pdl import launch_options, wait_for_previous_kernel
+
 
 @triton.jit
 def _norm_rotate(ptr, stride_h, num_heads, w_ptr, eps, cos, sin, half,
@@ -52,12 +54,14 @@ def _rotate_and_store_kernel(
     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh,
     stride_rope, stride_cache_slot, stride_cache_head, num_q_heads, num_kv_heads, half,
     HAS_NORM: tl.constexpr, HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr, HALF_PAD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     token = tl.program_id(0)
     pos = tl.load(pos_ptr + token)
     dims = tl.arange(0, HALF_PAD)[None, :]
     cos = tl.load(cos_ptr + pos * stride_rope + dims, mask=dims < half)  # [1, HALF_PAD]
     sin = tl.load(sin_ptr + pos * stride_rope + dims, mask=dims < half)
+    wait_for_previous_kernel(PDL)  # positions and the tables are inputs; q, k, v are not
 
     q1, q2 = _norm_rotate(q_ptr + token * stride_qn, stride_qh, num_q_heads, q_w_ptr, eps, cos, sin, half,
                           HAS_NORM, HQ_PAD, HALF_PAD)
@@ -104,5 +108,6 @@ def rotate_and_store(q, k, v, positions, cos, sin, q_weight, k_weight, eps: floa
         num_q_heads, num_kv_heads, head_dim // 2,
         HAS_NORM=has_norm, HQ_PAD=triton.next_power_of_2(num_q_heads),
         HKV_PAD=triton.next_power_of_2(num_kv_heads), HALF_PAD=triton.next_power_of_2(head_dim // 2),
+        **launch_options(q.device),
     )
     return q_out

@@ -18,23 +18,32 @@ the key range is cut into ``num_splits`` contiguous chunks of tiles and the grid
 is ``(B, Hkv, num_splits)``. Split i produces a normalised partial output
 ``o_i`` and its log-sum-exp ``lse_i = m_i + log(l_i)``. Because softmax over the
 union of chunks is a weighted average of the per-chunk softmaxes, the merge
-kernel computes ``o = sum_i exp(lse_i - M) o_i / sum_i exp(lse_i - M)`` with
+computes ``o = sum_i exp(lse_i - M) o_i / sum_i exp(lse_i - M)`` with
 ``M = max_i lse_i`` for numerical safety.
 
+The merge runs in the same kernel, by the last split to finish: each split
+stores its partial, then bumps an arrival counter for its (sequence, KV head);
+the split that sees the count reach the number of working splits merges them
+(in split order, so the result does not depend on who came last) and resets the
+counter to 0. At batch 1 a separate merge kernel was a whole dependent launch
+per layer for a few hundred bytes of work.
+
 We aim for ``B * Hkv * num_splits >= 2 * SMs`` (two waves' worth of programs,
-so the tail of uneven splits is hidden), never more splits than key tiles. The
-plan is sized for the longest context the block table can hold, so sequences
-much shorter than that leave their later splits idle; large batches need no
-splitting (``num_splits`` drops to 1 once ``B * Hkv >= 2 * SMs``).
+so the tail of uneven splits is hidden), never more splits than the block table
+has key tiles; large batches need no splitting (``num_splits`` drops to 1 once
+``B * Hkv >= 2 * SMs``). ``num_splits`` shapes the grid, so it is static, but
+each sequence divides its *own* tiles among the splits (``tiles_per_split =
+ceil(num_tiles / num_splits)``, computed in the kernel from its context length):
+a short context in a wide block table still spreads over all splits.
 
 CUDA graphs. The kernel is captured once and replayed with other context
-lengths, so everything that shapes the launch (grid, scratch buffers,
-``tiles_per_split``) is computed from static shapes: B, max_blocks, block_size
-and the SM count, never from ``context_lens``. The data-dependent part happens
-on the GPU: a split whose first tile is past the sequence's end returns
-immediately, and the merge only reads the ``ceil(num_tiles / tiles_per_split)``
-splits that did work. A padded row (context_len 0) therefore has no working
-splits, reads no K/V and gets a zero output.
+lengths, so everything that shapes the launch (grid, scratch buffers) is
+computed from static shapes: B, max_blocks, block_size and the SM count, never
+from ``context_lens``. The data-dependent part happens on the GPU: a split whose
+first tile is past the sequence's end returns immediately (fewer tiles than
+splits), and the merge only reads the ``ceil(num_tiles / tiles_per_split)``
+splits that did work. A padded row (context_len 0) has no working splits and
+reads no K/V; its split 0 writes a zero output.
 """
 
 import functools
@@ -43,34 +52,42 @@ import torch
 import triton
 import triton.language as tl
 
+from nanograph.kernels.pdl import launch_options, wait_for_previous_kernel
 from nanograph.kernels.tiles import load_kv_tile, online_softmax_step
 
 
 @triton.jit
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-    o_part_ptr, lse_ptr, scale, num_splits, tiles_per_split,
+    o_part_ptr, lse_ptr, arrivals_ptr, out_ptr, scale, num_splits,
     stride_qb, stride_qh, stride_cache_block, stride_cache_slot, stride_cache_head,
-    stride_bt, head_dim,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, D_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    stride_bt, stride_ob, stride_oh, head_dim,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    D_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-
-    context_len = tl.load(context_lens_ptr + seq)
-    num_tiles = tl.cdiv(context_len, BLOCK_N)
-    tile_begin = split * tiles_per_split
-    if tile_begin >= num_tiles:
-        return
-    tile_end = tl.minimum(tile_begin + tiles_per_split, num_tiles)
 
     rows = tl.arange(0, GROUP_PAD)
     heads = kv_head * GROUP + rows  # query heads of this group, [GROUP_PAD]
     dims = tl.arange(0, D_PAD)
     row_mask = rows < GROUP
     dim_mask = dims < head_dim
+    out_ptrs = out_ptr + seq * stride_ob + heads[:, None] * stride_oh + dims[None, :]
+    out_mask = row_mask[:, None] & dim_mask[None, :]
+
+    context_len = tl.load(context_lens_ptr + seq)  # a step input, not written by a kernel
+    wait_for_previous_kernel(PDL)
+    num_tiles = tl.cdiv(context_len, BLOCK_N)
+    tiles_per_split = tl.cdiv(num_tiles, num_splits)
+    tile_begin = split * tiles_per_split
+    if tile_begin >= num_tiles:
+        if num_tiles == 0 and split == 0:  # a padded row (context 0): zero output
+            tl.store(out_ptrs, tl.zeros([GROUP_PAD, D_PAD], out_ptr.dtype.element_ty), mask=out_mask)
+        return
+    tile_end = tl.minimum(tile_begin + tiles_per_split, num_tiles)
+
     q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + dims[None, :],
                 mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
 
@@ -91,41 +108,33 @@ def _decode_split_kernel(
         m_i, l_i, acc = online_softmax_step(scores, v, m_i, l_i, acc, DOT_PRECISION)
 
     # Scratch layout: o_part [B, Hq, num_splits, D_PAD], lse [B, Hq, num_splits].
-    part = (seq * (GROUP * tl.num_programs(1)) + heads) * num_splits + split
-    tl.store(o_part_ptr + part[:, None] * D_PAD + dims[None, :], acc / l_i[:, None],
+    first_part = (seq * (GROUP * tl.num_programs(1)) + heads) * num_splits  # split 0 of each head
+    tl.store(o_part_ptr + (first_part + split)[:, None] * D_PAD + dims[None, :], acc / l_i[:, None],
              mask=row_mask[:, None])
-    tl.store(lse_ptr + part, m_i + tl.log(l_i), mask=row_mask)
+    tl.store(lse_ptr + first_part + split, m_i + tl.log(l_i), mask=row_mask)
 
-
-@triton.jit
-def _decode_merge_kernel(
-    o_part_ptr, lse_ptr, context_lens_ptr, out_ptr, num_splits, tiles_per_split,
-    stride_ob, stride_oh, head_dim,
-    BLOCK_N: tl.constexpr, D_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
-):
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    part = (seq * tl.num_programs(1) + head) * num_splits
-
-    # Only splits that started inside the context wrote scratch; the rest hold garbage.
-    num_tiles = tl.cdiv(tl.load(context_lens_ptr + seq), BLOCK_N)
-    num_valid = tl.cdiv(num_tiles, tiles_per_split)
+    # The last working split of this (sequence, KV head) to get here merges them all. The
+    # barrier puts every thread's stores before the release of the count; its acquire by the
+    # last arrival makes all of them visible to it.
+    num_working = tl.cdiv(num_tiles, tiles_per_split)
+    tl.debug_barrier()
+    arrivals = arrivals_ptr + seq * tl.num_programs(1) + kv_head
+    if tl.atomic_add(arrivals, 1, sem="acq_rel") != num_working - 1:
+        return
+    tl.store(arrivals, 0)  # ready for the next step
     splits = tl.arange(0, SPLITS_PAD)
-    # A finite sentinel rather than -inf: real lse values are far above it so the
-    # sentinel gets weight 0, and a padded row (no valid split) ends with
-    # acc = 0 and denom = SPLITS_PAD, i.e. a zero output instead of NaN.
-    lse = tl.load(lse_ptr + part + splits, mask=splits < num_valid, other=-1e30)
-    lse_max = tl.max(lse, 0)
-    denom = tl.sum(tl.exp(lse - lse_max), 0)
-
-    dims = tl.arange(0, D_PAD)
-    acc = tl.zeros([D_PAD], tl.float32)
-    for split in range(0, num_valid):
-        weight = tl.exp(tl.load(lse_ptr + part + split) - lse_max)
-        acc += weight * tl.load(o_part_ptr + (part + split) * D_PAD + dims)
-    out = acc / denom
-    tl.store(out_ptr + seq * stride_ob + head * stride_oh + dims,
-             out.to(out_ptr.dtype.element_ty), mask=dims < head_dim)
+    # -1e30, not -inf, for what is not there: weight 0 next to real splits, and no NaN in
+    # the padding rows of the group (never stored)
+    lse = tl.load(lse_ptr + first_part[:, None] + splits[None, :],
+                  mask=row_mask[:, None] & (splits[None, :] < num_working), other=-1e30)
+    lse_max = tl.max(lse, 1)
+    denom = tl.sum(tl.exp(lse - lse_max[:, None]), 1)
+    out = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
+    for s in range(0, num_working):  # in split order: the sum does not depend on arrival order
+        weight = tl.exp(tl.load(lse_ptr + first_part + s, mask=row_mask, other=-1e30) - lse_max)
+        out += weight[:, None] * tl.load(o_part_ptr + (first_part + s)[:, None] * D_PAD + dims[None, :],
+                                         mask=row_mask[:, None], other=0.0)
+    tl.store(out_ptrs, (out / denom[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 # Launch shape of the split kernel, measured with tools/tune_decode.py (H100, batch 256, context 1024).
@@ -139,11 +148,17 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _plan_splits(batch, num_kv_heads, num_tiles, sm_count):
-    """Static split plan: (num_splits, tiles_per_split)."""
+def _plan_splits(batch, num_kv_heads, num_tiles, sm_count) -> int:
+    """Static number of splits, from shapes only."""
     wanted = triton.cdiv(2 * sm_count, batch * num_kv_heads)
-    tiles_per_split = triton.cdiv(num_tiles, max(1, min(wanted, num_tiles)))
-    return triton.cdiv(num_tiles, tiles_per_split), tiles_per_split
+    return max(1, min(wanted, num_tiles))
+
+
+@functools.cache  # never evicted: a captured graph keeps using the buffer it was captured with
+def _arrival_counters(device: torch.device, size: int) -> torch.Tensor:
+    """One zeroed int32 per (sequence, KV head); the merging program puts its entry back to 0.
+    Made during the warm-up forward that precedes each capture, so never inside a graph."""
+    return torch.zeros(size, dtype=torch.int32, device=device)
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale):
@@ -158,26 +173,22 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     # Keep the K and V tiles of one step within ~32 KB each, even at head_dim 256.
     block_n = min(block_size, KEYS_PER_TILE if d_pad <= 128 else KEYS_PER_TILE // 2)
     num_tiles = block_tables.shape[1] * block_size // block_n
-    num_splits, tiles_per_split = _plan_splits(batch, num_kv_heads, num_tiles, _sm_count(q.device))
+    num_splits = _plan_splits(batch, num_kv_heads, num_tiles, _sm_count(q.device))
 
     o_part = torch.empty(batch, num_q_heads, num_splits, d_pad, dtype=torch.float32, device=q.device)
     lse = torch.empty(batch, num_q_heads, num_splits, dtype=torch.float32, device=q.device)
     out = torch.empty(batch, num_q_heads, head_dim, dtype=q.dtype, device=q.device)
 
+    arrivals = _arrival_counters(q.device, batch * num_kv_heads)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, o_part, lse, scale, num_splits, tiles_per_split,
+        q, k_cache, v_cache, block_tables, context_lens, o_part, lse, arrivals, out, scale, num_splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), head_dim,
+        block_tables.stride(0), out.stride(0), out.stride(1), head_dim,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size,
-        BLOCK_N=block_n, D_PAD=d_pad,
+        BLOCK_N=block_n, D_PAD=d_pad, SPLITS_PAD=triton.next_power_of_2(num_splits),
         # float32 inputs get exact products (not TF32) to match a float32 reference.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
-    )
-    _decode_merge_kernel[(batch, num_q_heads)](
-        o_part, lse, context_lens, out, num_splits, tiles_per_split,
-        out.stride(0), out.stride(1), head_dim,
-        BLOCK_N=block_n, D_PAD=d_pad, SPLITS_PAD=triton.next_power_of_2(num_splits),
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES, **launch_options(q.device),
     )
     return out
 

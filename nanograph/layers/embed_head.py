@@ -3,14 +3,14 @@
 Rank r owns vocabulary rows [r * part, (r + 1) * part). The embedding looks up the ids it owns,
 writes zeros for the rest, and an all-reduce assembles the full vectors. The LM head computes
 logits for its own slice; the slices are gathered and concatenated. With tp=1 both are the plain
-F.embedding / F.linear. A tied LM head shares the embedding's weight tensor.
+F.embedding / linear. A tied LM head shares the embedding's weight tensor.
 """
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from nanograph.layers.linear import tp_rank, tp_size
+from nanograph.layers.linear import linear, tp_rank, tp_size
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -37,7 +37,7 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(VocabParallelEmbedding):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        logits = linear(hidden, self.weight)
         if tp_size() > 1:
             parts = [torch.empty_like(logits) for _ in range(tp_size())]
             dist.all_gather(parts, logits)

@@ -9,11 +9,36 @@ With `tp` ranks, a transformer block needs only two all-reduces:
 Every parameter carries a `weight_loader(param, loaded_weight, shard_id)` that cuts this rank's
 slice out of the full checkpoint tensor, so the loader never needs to know the sharding.
 With tp=1 every class degenerates into a plain nn.Linear.
+
+On CUDA, products with at most GEMV_MAX_ROWS rows (decode at small batch) go to the GEMV
+kernel of kernels/gemv.py, which streams the weights inside the PDL chain and can apply a
+deferred RMSNorm to its input (layers/norm.py); larger ones go to cuBLAS.
 """
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from nanograph.layers.norm import DeferredNorm
+
+
+GEMV_MAX_ROWS = 4  # above this, cuBLAS (tensor cores, each weight tile reused across rows) wins
+
+
+def use_gemv(x: torch.Tensor | DeferredNorm) -> bool:
+    return x.is_cuda and x.shape[0] <= GEMV_MAX_ROWS
+
+
+def linear(x: torch.Tensor | DeferredNorm, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           silu_and_mul: bool = False) -> torch.Tensor:
+    """x W^T + bias. The GEMV path also takes a DeferredNorm as x, and can apply the MLP's
+    activation to a [gate | up] product (the cuBLAS path leaves that to the caller)."""
+    if not use_gemv(x):
+        return F.linear(x, weight, bias)
+    from nanograph.kernels.gemv import gemv
+    if isinstance(x, DeferredNorm):
+        return gemv(x.x, weight, bias, silu_and_mul, x.weight, x.eps, x.residual, x.residual_out)
+    return gemv(x, weight, bias, silu_and_mul)
 
 
 def tp_rank() -> int:
@@ -47,7 +72,7 @@ class ColumnParallelLinear(nn.Module):
         param.data[offset:offset + rows].copy_(loaded[start:start + rows])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -106,7 +131,7 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(loaded[:, tp_rank() * cols:(tp_rank() + 1) * cols])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight)
         if tp_size() > 1:
             dist.all_reduce(y)
         return y if self.bias is None else y + self.bias

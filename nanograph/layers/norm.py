@@ -1,29 +1,45 @@
 """RMSNorm, with the residual add fused in: `norm(x, residual)` returns (normed, x + residual).
 
 Pre-norm transformers compute `h = x + f(norm(x))` twice per layer. Carrying the residual
-stream next to the hidden state lets the add and the norm run as one fused kernel on CUDA.
-The arithmetic follows HF exactly (normalise in float32, cast back, then scale) so greedy
-outputs match transformers token for token in float32.
+stream next to the hidden state lets the add and the norm run as one kernel on CUDA
+(kernels/rms_norm.py). The arithmetic follows HF exactly (normalise in float32, cast back,
+then scale) so greedy outputs match transformers token for token in float32; the plain torch
+code below is the CPU path and the kernels' oracle.
+
+Deferred norms. In a decode step at small batch every norm feeds a GEMV (QKV, gate/up) that
+reads the whole input row anyway, so with `defer=True` the norm launches nothing: it returns a
+`DeferredNorm` and the GEMV applies it as it loads its input (kernels/gemv.py), one dependent
+kernel fewer per norm. The residual it returns is an empty buffer that the GEMV fills.
 """
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
-from nanograph.utils.compile import cuda_compiled
 
-
-def rms_norm_math(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
 
 
-rms_norm = cuda_compiled(rms_norm_math)
+@dataclass
+class DeferredNorm:
+    """rms_norm(x + residual) * weight, left for the GEMV that consumes it; x + residual goes
+    to residual_out (both None for the first layer's norm, which has no residual)."""
+    x: torch.Tensor
+    weight: torch.Tensor
+    eps: float
+    residual: torch.Tensor | None
+    residual_out: torch.Tensor | None
 
+    @property
+    def shape(self) -> torch.Size:
+        return self.x.shape
 
-@cuda_compiled
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
-    x = x + residual
-    return rms_norm_math(x, weight, eps), x
+    @property
+    def is_cuda(self) -> bool:
+        return self.x.is_cuda
 
 
 class RMSNorm(nn.Module):
@@ -32,7 +48,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, defer: bool = False):
+        if defer:
+            out = DeferredNorm(x, self.weight, self.eps, residual, None if residual is None else torch.empty_like(x))
+            return out if residual is None else (out, out.residual_out)
+        if x.is_cuda:
+            from nanograph.kernels.rms_norm import rms_norm as fused_rms_norm
+            return fused_rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
-        return add_rms_norm(x, residual, self.weight, self.eps)
+        x = x + residual
+        return rms_norm(x, self.weight, self.eps), x

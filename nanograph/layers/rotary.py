@@ -10,7 +10,7 @@ import math
 import torch
 from torch import nn
 
-from nanograph.layers.norm import rms_norm_math
+from nanograph.layers.norm import rms_norm
 
 
 def rope_frequencies(head_dim: int, rope: dict) -> torch.Tensor:
@@ -45,7 +45,7 @@ def norm_and_rotate(q, k, positions, cos, sin, q_weight, k_weight, eps: float):
     attention backend's path; on CUDA the other backends run it fused with the K/V store
     (kernels/kv_store.py)."""
     if q_weight is not None:
-        q, k = rms_norm_math(q, q_weight, eps), rms_norm_math(k, k_weight, eps)
+        q, k = rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)
     cos, sin = cos[positions], sin[positions]
     return rotate(q, cos, sin), rotate(k, cos, sin)
 

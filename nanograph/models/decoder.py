@@ -16,7 +16,7 @@ from torch import nn
 
 from nanograph.layers.attention import Attention
 from nanograph.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
-from nanograph.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from nanograph.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, linear, use_gemv
 from nanograph.layers.norm import RMSNorm
 from nanograph.layers.rotary import RotaryEmbedding
 from nanograph.utils.compile import cuda_compiled
@@ -62,6 +62,8 @@ class DecoderMLP(nn.Module):
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if use_gemv(x):  # the activation fused into the GEMV
+            return self.down_proj(linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias, silu_and_mul=True))
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
@@ -74,13 +76,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, positions, x, residual):
-        # residual carries the un-normalised stream; see norm.py
+        # residual carries the un-normalised stream; at small decode batches on CUDA both norms
+        # are deferred into the GEMV that reads them (see norm.py)
+        defer = use_gemv(x)
         if residual is None:
-            x, residual = self.input_layernorm(x), x
+            x, residual = self.input_layernorm(x, defer=defer), x
         else:
-            x, residual = self.input_layernorm(x, residual)
+            x, residual = self.input_layernorm(x, residual, defer)
         x = self.self_attn(positions, x)
-        x, residual = self.post_attention_layernorm(x, residual)
+        x, residual = self.post_attention_layernorm(x, residual, defer)
         return self.mlp(x), residual
 
 

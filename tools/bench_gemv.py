@@ -1,0 +1,82 @@
+"""The GEMV kernel's launch shape, and what PDL buys: a 28-layer chain of the Qwen3-0.6B linear
+layers (norm, QKV, O, norm, gate/up + SiLU, down; then a norm and the LM head) captured in one CUDA graph.
+
+    PYTHONPATH=. python tools/bench_gemv.py
+
+Times one replay for cuBLAS (F.linear + torch ops) and for the GEMV kernels (norms deferred into
+them) with and without PDL, over tile sizes and warp counts, at 1 to 16 rows. Weights are distinct per
+layer (1.2 GB in all), so nothing is served from L2 across replays.
+"""
+import torch
+import torch.nn.functional as F
+
+from nanograph.kernels import gemv as gemv_module, pdl
+from nanograph.kernels.gemv import gemv
+from nanograph.kernels.rms_norm import rms_norm
+from nanograph.layers.norm import rms_norm as torch_rms_norm
+
+HIDDEN, QKV, Q, INTER, LAYERS, VOCAB = 1024, 4096, 2048, 3072, 28, 151936
+
+
+def make_weights():
+    mk = lambda n, k: torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+    layers = [(mk(QKV, HIDDEN), mk(HIDDEN, Q), mk(2 * INTER, HIDDEN), mk(HIDDEN, INTER)) for _ in range(LAYERS)]
+    return layers, mk(VOCAB, HIDDEN), torch.ones(HIDDEN, device="cuda", dtype=torch.bfloat16)
+
+
+def chain(x, weights, fast):
+    """fast: the GEMV kernels with each norm deferred into the next GEMV, as the model runs them."""
+    layers, head, norm_w = weights
+    h, residual = x, torch.zeros_like(x)
+    for qkv, o, gate_up, down in layers:
+        if fast:
+            residual_out = torch.empty_like(residual)
+            h = gemv(gemv(h, qkv, None, False, norm_w, 1e-6, residual, residual_out)[:, :Q], o)
+            residual, residual_out = residual_out, torch.empty_like(residual)
+            h = gemv(gemv(h, gate_up, None, True, norm_w, 1e-6, residual, residual_out), down)
+            residual = residual_out
+        else:
+            residual = h + residual
+            h = F.linear(F.linear(torch_rms_norm(residual, norm_w, 1e-6), qkv)[:, :Q], o)
+            residual = h + residual
+            gate, up = F.linear(torch_rms_norm(residual, norm_w, 1e-6), gate_up).chunk(2, -1)
+            h = F.linear(F.silu(gate) * up, down)
+    h = rms_norm(h, norm_w, 1e-6, residual)[0] if fast else torch_rms_norm(h + residual, norm_w, 1e-6)
+    return gemv(h, head) if fast else F.linear(h, head)
+
+
+def time_graph(fn, x, iters=50):
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn(x)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn(x)
+    for _ in range(5):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters, out
+
+
+if __name__ == "__main__":
+    weights = make_weights()
+    for rows in (1, 4, 8, 16):
+        x = torch.randn(rows, HIDDEN, device="cuda", dtype=torch.bfloat16)
+        ms, ref = time_graph(lambda x: chain(x, weights, False), x)
+        print(f"rows {rows:2d} cuBLAS + torch ops: {ms:.3f} ms")
+        default = gemv_module.TARGET_TILE, gemv_module.NUM_WARPS
+        configs = [(True, tile, warps) for tile in (8192, 16384) for warps in (4, 8)] + [(False, *default)]
+        for use_pdl, tile, warps in configs:
+            gemv_module.TARGET_TILE, gemv_module.NUM_WARPS = tile, warps
+            pdl.pdl_supported = lambda device, on=use_pdl: on
+            ms, out = time_graph(lambda x: chain(x, weights, True), x)
+            err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+            print(f"rows {rows:2d} gemv pdl={use_pdl} tile {tile:5d} warps {warps}: {ms:.3f} ms (rel err {err:.1e})")
+        gemv_module.TARGET_TILE, gemv_module.NUM_WARPS = default
