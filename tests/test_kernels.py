@@ -17,6 +17,8 @@ import os
 import pytest
 import torch
 
+from nanograph.layers.rotary import RotaryEmbedding
+
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 requires_interpreter = pytest.mark.skipif(
     not (os.environ.get("NANOGRAPH_TRITON_INTERPRET") == "1" and os.environ.get("TRITON_INTERPRET") == "1"),
@@ -65,6 +67,20 @@ def ref_decode(q, k_cache, v_cache, block_tables, context_lens, scale):
     return out
 
 
+def ref_rotate_store_decode(inputs, scale):
+    """The torch backend's steps on copies of the caches: norm_and_rotate, indexed store, attention.
+    Returns (output, k_cache, v_cache)."""
+    from nanograph.layers.rotary import norm_and_rotate
+
+    i = inputs
+    q, k = norm_and_rotate(i["q"], i["k"], i["positions"], i["cos"], i["sin"], i["q_weight"], i["k_weight"], i["eps"])
+    k_cache, v_cache = i["k_cache"].clone(), i["v_cache"].clone()
+    keep = i["slot_mapping"] >= 0
+    k_cache.flatten(0, 1)[i["slot_mapping"][keep]] = k[keep]
+    v_cache.flatten(0, 1)[i["slot_mapping"][keep]] = i["v"][keep]
+    return ref_decode(q, k_cache, v_cache, i["block_tables"], i["context_lens"], scale), k_cache, v_cache
+
+
 def ref_prefill(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale):
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     cu = cu_seqlens_q.tolist()
@@ -102,10 +118,10 @@ def poison_tails(cache, block_tables, lens):
             cache[block_tables[s, length // block_size], length % block_size :] = float("nan")
 
 
-def paged_inputs(lens, block_size, num_kv_heads, head_dim, dtype, gen, spare_blocks=2):
-    """Poisoned K/V caches and block tables with `spare_blocks` padding columns."""
+def paged_inputs(lens, block_size, num_kv_heads, head_dim, dtype, gen, max_blocks=None, num_blocks=None):
+    """Poisoned K/V caches and block tables (by default with 2 padding columns and 4 spare blocks)."""
     blocks = [math.ceil(n / block_size) for n in lens]
-    max_blocks, num_blocks = max(blocks) + spare_blocks, sum(blocks) + 4
+    max_blocks, num_blocks = max_blocks or max(blocks) + 2, num_blocks or sum(blocks) + 4
     tables = random_block_tables(lens, block_size, max_blocks, num_blocks, gen)
     caches = []
     for _ in range(2):
@@ -113,6 +129,29 @@ def paged_inputs(lens, block_size, num_kv_heads, head_dim, dtype, gen, spare_blo
         poison_tails(cache, tables, lens)
         caches.append(cache)
     return caches[0], caches[1], tables
+
+
+def decode_inputs(lens, block_size, num_q_heads, num_kv_heads, head_dim, dtype, gen, qk_norm=True, **table_shape):
+    """The keyword arguments of paged_decode_attention (but scale), on the CPU. The new token of
+    sequence s is its key lens[s] - 1; the cache row of its slot holds NaN (stale: the kernel must
+    use the fresh k/v); a padded row (length 0) has slot -1."""
+    k_cache, v_cache, tables = paged_inputs(lens, block_size, num_kv_heads, head_dim, dtype, gen, **table_shape)
+    qkv = torch.randn(len(lens), num_q_heads + 2 * num_kv_heads, head_dim, generator=gen).to(dtype)
+    q, k, v = qkv.split([num_q_heads, num_kv_heads, num_kv_heads], dim=1)  # strided views, like the model's
+    slots = torch.tensor([tables[s, (n - 1) // block_size] * block_size + (n - 1) % block_size if n else -1
+                          for s, n in enumerate(lens)])
+    k_cache.flatten(0, 1)[slots[slots >= 0]] = float("nan")
+    v_cache.flatten(0, 1)[slots[slots >= 0]] = float("nan")
+    rope = RotaryEmbedding(head_dim, 4096, {"rope_theta": 10000.0}).to(dtype)
+    weights = [(1 + 0.1 * torch.randn(head_dim, generator=gen)).to(dtype) for _ in range(2)] if qk_norm else [None] * 2
+    return dict(q=q, k=k, v=v, positions=torch.tensor([max(n - 1, 0) for n in lens]), slot_mapping=slots,
+                cos=rope.cos, sin=rope.sin, q_weight=weights[0], k_weight=weights[1], eps=1e-6,
+                k_cache=k_cache, v_cache=v_cache, block_tables=tables,
+                context_lens=torch.tensor(lens, dtype=torch.int32))
+
+
+def to_device(inputs: dict, device) -> dict:
+    return {n: t.to(device) if isinstance(t, torch.Tensor) else t for n, t in inputs.items()}
 
 
 def query(num_tokens, num_q_heads, num_kv_heads, head_dim, dtype, gen):
@@ -142,7 +181,7 @@ def tolerance(dtype):
 def check_rotate_and_store(device, dtype, block_size, head_dim, num_tokens, slot_dtype, qk_norm):
     """Against the torch path: rotary.norm_and_rotate, then indexed assignment into the cache."""
     kv_store, _, _ = kernels()
-    from nanograph.layers.rotary import RotaryEmbedding, norm_and_rotate
+    from nanograph.layers.rotary import norm_and_rotate
 
     gen = torch.Generator().manual_seed(0)
     num_q_heads, num_kv_heads, num_blocks = 6, 2, math.ceil(num_tokens / block_size) + 3
@@ -228,21 +267,26 @@ def check_rms_norm(device, dtype, rows, dim, residual):
     assert rel_err(out.cpu(), ref.float()) < tolerance(dtype) / 10
 
 
-def check_decode(device, dtype, block_size, group, head_dim, lens, num_kv_heads=2):
+def check_decode(device, dtype, block_size, group, head_dim, lens, num_kv_heads=2, qk_norm=True):
+    """The fused kernel (rotate, store, attend) against the torch path, output and cache."""
     _, paged_decode, _ = kernels()
     gen = torch.Generator().manual_seed(0)
-    k_cache, v_cache, tables = paged_inputs(lens, block_size, num_kv_heads, head_dim, dtype, gen)
-    q = query(len(lens), group * num_kv_heads, num_kv_heads, head_dim, dtype, gen)
-    context_lens = torch.tensor(lens, dtype=torch.int32)
+    inputs = to_device(decode_inputs(lens, block_size, group * num_kv_heads, num_kv_heads, head_dim, dtype, gen,
+                                     qk_norm), device)
     scale = head_dim**-0.5
+    ref, ref_k_cache, ref_v_cache = ref_rotate_store_decode(inputs, scale)
 
-    args = [t.to(device) for t in (q, k_cache, v_cache, tables, context_lens)]
-    out = paged_decode.paged_decode_attention(*args, scale)
-    ref = ref_decode(*args, scale)
-    assert out.dtype == dtype and out.shape == q.shape
+    out = paged_decode.paged_decode_attention(**inputs, scale=scale)
+    assert out.dtype == dtype and out.shape == inputs["q"].shape
     assert torch.isfinite(out).all()
     assert rel_err(out, ref) < tolerance(dtype)
-    assert not out[context_lens.to(device) == 0].any()
+    assert not out[inputs["context_lens"] == 0].any()
+    # the new keys and values are in their slots, and nothing else changed (NaN == NaN here)
+    for cache, ref_cache in ((inputs["k_cache"], ref_k_cache), (inputs["v_cache"], ref_v_cache)):
+        written = inputs["slot_mapping"][inputs["slot_mapping"] >= 0]
+        assert rel_err(cache.flatten(0, 1)[written], ref_cache.flatten(0, 1)[written].float()) < tolerance(dtype)
+        cache.flatten(0, 1)[written] = ref_cache.flatten(0, 1)[written]
+        torch.testing.assert_close(cache, ref_cache, rtol=0, atol=0, equal_nan=True)
 
 
 def check_prefill(device, dtype, block_size, group, head_dim, seqs, num_kv_heads=2):
@@ -299,9 +343,11 @@ def test_decode(block_size, group, head_dim, batch):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("head_dim", [80, 128, 256])
 @pytest.mark.parametrize("block_size", [16, 256])
-def test_decode_dtypes_and_head_dims(dtype, head_dim, block_size):
-    lens = decode_lens(9, torch.Generator().manual_seed(1))
-    check_decode("cuda", dtype, block_size, 4, head_dim, lens)
+@pytest.mark.parametrize("batch", [3, 9])  # the fused kernel, rotate + split kernel
+def test_decode_dtypes_and_head_dims(dtype, head_dim, block_size, batch):
+    # Llama-like: no qk-norm (test_decode has it)
+    lens = decode_lens(batch, torch.Generator().manual_seed(1))
+    check_decode("cuda", dtype, block_size, 4, head_dim, lens, qk_norm=False)
 
 
 @pytest.mark.gpu
@@ -417,41 +463,41 @@ def test_pdl_chain_in_cuda_graph():
 
 @pytest.mark.gpu
 @requires_cuda
-def test_decode_cuda_graph_replay():
-    """Capture once, then replay with other context lengths and block tables (same shapes)."""
+@pytest.mark.parametrize("batch", [3, 8])  # the fused kernel, rotate + split kernel
+def test_decode_cuda_graph_replay(batch):
+    """Capture once, then replay with other context lengths, block tables and new tokens (same
+    shapes): nothing about one step may be baked into the graph."""
     _, paged_decode, _ = kernels()
     gen = torch.Generator().manual_seed(4)
-    batch, num_kv_heads, group, head_dim, block_size, max_blocks = 8, 2, 4, 128, 16, 70
-    num_blocks, scale, dtype = batch * max_blocks + 1, head_dim**-0.5, torch.bfloat16
-    k_cache = random_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, gen).cuda()
-    v_cache = random_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, gen).cuda()
-    q = torch.zeros(batch, group * num_kv_heads, head_dim, dtype=dtype, device="cuda")
-    tables = torch.zeros(batch, max_blocks, dtype=torch.int32, device="cuda")
-    context_lens = torch.zeros(batch, dtype=torch.int32, device="cuda")
+    shape = dict(block_size=16, num_q_heads=8, num_kv_heads=2, head_dim=128, dtype=torch.bfloat16,
+                 max_blocks=70, num_blocks=batch * 70 + 1)
+    scale = 128**-0.5
+    static = to_device(decode_inputs([5, 1110, 1, 17, 300, 0, 64, 700][:batch], gen=gen, **shape), "cuda")
 
-    def fill(lens):
-        q.copy_(torch.randn(q.shape, generator=gen))
-        tables.copy_(random_block_tables(lens, block_size, max_blocks, num_blocks, gen))
-        context_lens.copy_(torch.tensor(lens, dtype=torch.int32))
-
-    fill([5, 1110, 1, 17, 300, 0, 64, 700])
     stream = torch.cuda.Stream()  # warm up (compile) off the default stream before capture
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        paged_decode.paged_decode_attention(q, k_cache, v_cache, tables, context_lens, scale)
+        paged_decode.paged_decode_attention(**static, scale=scale)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = paged_decode.paged_decode_attention(q, k_cache, v_cache, tables, context_lens, scale)
+        out = paged_decode.paged_decode_attention(**static, scale=scale)
 
     for lens in ([1120, 0, 0, 3, 16, 33, 512, 999], [0] * 8, [1] * 8, [1120] * 8):
-        fill(lens)
+        lens = lens[:batch]
+        for name, t in decode_inputs(lens, gen=gen, **shape).items():
+            if isinstance(t, torch.Tensor):
+                static[name].copy_(t)
+        ref, ref_k_cache, _ = ref_rotate_store_decode(static, scale)
         graph.replay()
-        ref = ref_decode(q, k_cache, v_cache, tables, context_lens, scale)
         assert torch.isfinite(out).all()
         if any(lens):
             assert rel_err(out, ref) < 1e-2
-        assert not out[context_lens == 0].any()
+        assert not out[static["context_lens"] == 0].any()
+        written = static["slot_mapping"][static["slot_mapping"] >= 0]
+        if any(lens):
+            cached = static["k_cache"].flatten(0, 1)[written]
+            assert rel_err(cached, ref_k_cache.flatten(0, 1)[written].float()) < 1e-2
 
 
 # ---------------------------------------------------------------- interpreter (CPU) tests
@@ -482,8 +528,10 @@ def test_rotate_and_store_interpreter(dtype, qk_norm):
 @requires_interpreter
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("group,head_dim", [(1, 64), (4, 48)])
-def test_decode_interpreter(dtype, group, head_dim):
-    check_decode("cpu", dtype, 16, group, head_dim, [0, 1, 17, 40])
+@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("lens", [[0, 1, 17, 40], [0, 1, 17, 40, 33]])  # fused kernel, rotate + split kernel
+def test_decode_interpreter(dtype, group, head_dim, qk_norm, lens):
+    check_decode("cpu", dtype, 16, group, head_dim, lens, qk_norm=qk_norm)
 
 
 @requires_interpreter

@@ -3,7 +3,10 @@
     PYTHONPATH=. python tools/profile_decode.py [--batch 1] [--context 512]
 
 Prints the kernels of one replay of the Qwen3-0.6B shape (dummy weights, bf16), grouped by name,
-with their count and total GPU time: the figures behind "the less eager work per step".
+with their count and total GPU time: the figures behind "the less eager work per step". With
+programmatic dependent launch (kernels/pdl.py) a kernel starts before the previous one ends and
+its time includes that wait, so on sm_90 the total exceeds the step's wall time: read the counts
+and the ordering, not the sum.
 """
 import argparse
 import json

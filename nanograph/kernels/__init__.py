@@ -1,11 +1,14 @@
-"""Triton kernels for the paged KV cache.
+"""Triton kernels for the paged KV cache and the small-batch decode chain.
 
 - ``kv_store.rotate_and_store``: qk-norm and rotary for the new tokens, K/V into their cache slots.
-- ``paged_decode.paged_decode_attention``: one query token per sequence,
-  split-KV ("flash-decoding") over the paged cache.
+- ``paged_decode.paged_decode_attention``: one query token per sequence, split-KV
+  ("flash-decoding") over the paged cache; at small batch one kernel also rotates and stores.
 - ``paged_prefill.paged_prefill_attention``: packed variable-length prefill
   (causal, bottom-right aligned) over the paged cache.
+- ``gemv.gemv`` and ``rms_norm.rms_norm``: the linear layers and norms of a small decode batch.
+- ``pdl``: programmatic dependent launch, which lets each of these kernels start (and load its
+  weights) while the one before it finishes.
 
-Every kernel reads K/V through a block table, so all share one cache layout per
+Every attention kernel reads K/V through a block table, so all share one cache layout per
 layer: ``[num_blocks, block_size, num_kv_heads, head_dim]``, contiguous.
 """

@@ -4,7 +4,9 @@ Between the QKV projection and attention, each token needs: Qwen3's RMSNorm over
 and key head (when the model has it), rotary embedding of q and k, and K/V written into the
 token's cache slot. As separate kernels that is four launches per layer (two norm reductions, the
 rotation, the store), each of which costs more than its arithmetic at batch 1; fused, it is one
-program per token that reads q, k, v once and writes q and the cache once.
+program per token that reads q, k, v once and writes q and the cache once. (Decode at small
+batch goes one step further: paged_decode.py does this inside the attention kernel, reusing
+`norm_rotate`.)
 
 The cache of one layer is ``[num_blocks, block_size, num_kv_heads, head_dim]`` and contiguous,
 so a slot ``s`` is row ``s`` of the cache viewed as ``[num_blocks * block_size, num_kv_heads,
@@ -28,7 +30,7 @@ from nanograph.kernels.pdl import launch_options, wait_for_previous_kernel
 
 
 @triton.jit
-def _norm_rotate(ptr, stride_h, num_heads, w_ptr, eps, cos, sin, half,
+def norm_rotate(ptr, stride_h, num_heads, w_ptr, eps, cos, sin, half,
                  HAS_NORM: tl.constexpr, H_PAD: tl.constexpr, HALF_PAD: tl.constexpr):
     """Both halves [H_PAD, HALF_PAD] of every head at ptr, normed (optionally) and rotated."""
     heads = tl.arange(0, H_PAD)[:, None]
@@ -63,7 +65,7 @@ def _rotate_and_store_kernel(
     sin = tl.load(sin_ptr + pos * stride_rope + dims, mask=dims < half)
     wait_for_previous_kernel(PDL)  # positions and the tables are inputs; q, k, v are not
 
-    q1, q2 = _norm_rotate(q_ptr + token * stride_qn, stride_qh, num_q_heads, q_w_ptr, eps, cos, sin, half,
+    q1, q2 = norm_rotate(q_ptr + token * stride_qn, stride_qh, num_q_heads, q_w_ptr, eps, cos, sin, half,
                           HAS_NORM, HQ_PAD, HALF_PAD)
     heads = tl.arange(0, HQ_PAD)[:, None]
     mask = (heads < num_q_heads) & (dims < half)
@@ -74,7 +76,7 @@ def _rotate_and_store_kernel(
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot < 0:
         return
-    k1, k2 = _norm_rotate(k_ptr + token * stride_kn, stride_kh, num_kv_heads, k_w_ptr, eps, cos, sin, half,
+    k1, k2 = norm_rotate(k_ptr + token * stride_kn, stride_kh, num_kv_heads, k_w_ptr, eps, cos, sin, half,
                           HAS_NORM, HKV_PAD, HALF_PAD)
     heads = tl.arange(0, HKV_PAD)[:, None]
     mask = (heads < num_kv_heads) & (dims < half)

@@ -1,10 +1,26 @@
-"""Decode attention over the paged KV cache, split-KV ("flash-decoding").
+"""Decode attention over the paged KV cache, split-KV ("flash-decoding"); at small batch with
+the new token's qk-norm, rotary and K/V store done in the same kernel.
 
-Shapes: q ``[B, Hq, D]`` holds the single new query token of each sequence;
-its own K/V are already in the cache, so sequence b attends to its first
-``context_lens[b]`` cached keys (no causal mask needed). Keys are found through
+Shapes: q ``[B, Hq, D]``, k and v ``[B, Hkv, D]`` hold the single new token of each
+sequence, straight out of the QKV projection (not yet normalised or rotated).
+Sequence b attends to ``context_lens[b]`` keys: the ones its earlier steps
+cached plus its new token, the last one. Keys are found through
 ``block_tables[b]``: key j lives in block ``block_tables[b, j // block_size]``
 at offset ``j % block_size``.
+
+Two kernels share the split-KV scheme below:
+- ``_fused_decode_kernel`` (batch <= FUSED_MAX_BATCH). At batch 1 each kernel of
+  the chain costs a dependent launch, and attention's own first step - reading a
+  K/V tile from DRAM - had to wait for the kernel that stored the new key. Here
+  every program rotates its queries itself (a few hundred bytes), the program
+  whose range holds the new token rotates its key, writes it and its value into
+  the cache for later steps, and splices them into its tile from registers. So
+  nothing it reads from the cache was written by the kernels before it, and its
+  first tile is loaded *before* waiting for them (pdl.py).
+- ``_decode_split_kernel`` (larger batches), after kv_store.rotate_and_store: with
+  hundreds of programs in flight there is no latency to hide, and the fused
+  kernel's extra registers cost more than the launch it saves (measured: batch 64
+  at context 512 took 2.96 ms per step fused, 2.46 ms split).
 
 GQA grouping. The ``G = Hq // Hkv`` query heads of one KV head read exactly the
 same keys, so one program handles the whole group: it loads each K/V tile once
@@ -52,93 +68,200 @@ import torch
 import triton
 import triton.language as tl
 
+from nanograph.kernels.kv_store import norm_rotate, rotate_and_store
 from nanograph.kernels.pdl import launch_options, wait_for_previous_kernel
-from nanograph.kernels.tiles import load_kv_tile, online_softmax_step
+from nanograph.kernels.tiles import online_softmax_step, tile_offsets
+
+# Launch shape of the split kernel, measured with tools/tune_decode.py (H100, batch 256, context 1024).
+KEYS_PER_TILE, NUM_WARPS, NUM_STAGES = 64, 4, 2
+FUSED_MAX_BATCH = 4  # the batch sizes whose decode step is a latency-bound kernel chain
+# The fused kernel holds more per program (rotary halves, the new row); with 4 warps a batch-1
+# step took 0.72 ms, with 8 warps 0.66 ms (H100, Qwen3-0.6B shape, context 512).
+FUSED_NUM_WARPS = 8
 
 
 @triton.jit
-def _decode_split_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-    o_part_ptr, lse_ptr, arrivals_ptr, out_ptr, scale, num_splits,
-    stride_qb, stride_qh, stride_cache_block, stride_cache_slot, stride_cache_head,
-    stride_bt, stride_ob, stride_oh, head_dim,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    D_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
-):
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-
-    rows = tl.arange(0, GROUP_PAD)
-    heads = kv_head * GROUP + rows  # query heads of this group, [GROUP_PAD]
-    dims = tl.arange(0, D_PAD)
-    row_mask = rows < GROUP
-    dim_mask = dims < head_dim
-    out_ptrs = out_ptr + seq * stride_ob + heads[:, None] * stride_oh + dims[None, :]
-    out_mask = row_mask[:, None] & dim_mask[None, :]
-
-    context_len = tl.load(context_lens_ptr + seq)  # a step input, not written by a kernel
-    wait_for_previous_kernel(PDL)
-    num_tiles = tl.cdiv(context_len, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_tiles, num_splits)
-    tile_begin = split * tiles_per_split
-    if tile_begin >= num_tiles:
-        if num_tiles == 0 and split == 0:  # a padded row (context 0): zero output
-            tl.store(out_ptrs, tl.zeros([GROUP_PAD, D_PAD], out_ptr.dtype.element_ty), mask=out_mask)
-        return
-    tile_end = tl.minimum(tile_begin + tiles_per_split, num_tiles)
-
-    q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + dims[None, :],
-                mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
-
-    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)  # running max
-    l_i = tl.zeros([GROUP_PAD], tl.float32)  # running sum of exp
-    acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
-    for tile in range(tile_begin, tile_end):
-        # BLOCK_N divides BLOCK_SIZE, so the whole tile sits in one cache block.
-        keys = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        block = tl.load(block_tables_ptr + seq * stride_bt + tile * BLOCK_N // BLOCK_SIZE)
-        key_mask = keys < context_len
-        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, block, keys, kv_head, dims,
-                            key_mask[:, None] & dim_mask[None, :],
-                            stride_cache_block, stride_cache_slot, stride_cache_head, BLOCK_SIZE)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
-        scores = tl.where(key_mask[None, :], scores, float("-inf"))  # [GROUP_PAD, BLOCK_N]
-        # Every tile in range holds at least one real key, so the running max stays finite.
-        m_i, l_i, acc = online_softmax_step(scores, v, m_i, l_i, acc, DOT_PRECISION)
-
+def _store_partial_and_merge(acc, m_i, l_i, seq, kv_head, split, num_splits, num_working, heads, row_mask, dims,
+                             o_part_ptr, lse_ptr, arrivals_ptr, out_ptrs, out_mask, D_PAD: tl.constexpr,
+                             GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    """Store this split's partial; the last working split of (seq, kv_head) to arrive merges them all."""
     # Scratch layout: o_part [B, Hq, num_splits, D_PAD], lse [B, Hq, num_splits].
     first_part = (seq * (GROUP * tl.num_programs(1)) + heads) * num_splits  # split 0 of each head
     tl.store(o_part_ptr + (first_part + split)[:, None] * D_PAD + dims[None, :], acc / l_i[:, None],
              mask=row_mask[:, None])
     tl.store(lse_ptr + first_part + split, m_i + tl.log(l_i), mask=row_mask)
 
-    # The last working split of this (sequence, KV head) to get here merges them all. The
-    # barrier puts every thread's stores before the release of the count; its acquire by the
-    # last arrival makes all of them visible to it.
-    num_working = tl.cdiv(num_tiles, tiles_per_split)
+    # The barrier puts every thread's stores before the release of the count; its acquire by
+    # the last arrival makes all of them visible to it.
     tl.debug_barrier()
     arrivals = arrivals_ptr + seq * tl.num_programs(1) + kv_head
-    if tl.atomic_add(arrivals, 1, sem="acq_rel") != num_working - 1:
+    if tl.atomic_add(arrivals, 1, sem="acq_rel") == num_working - 1:
+        tl.store(arrivals, 0)  # ready for the next step
+        splits = tl.arange(0, SPLITS_PAD)
+        # -1e30, not -inf, for what is not there: weight 0 next to real splits, and no NaN in
+        # the padding rows of the group (never stored)
+        lse = tl.load(lse_ptr + first_part[:, None] + splits[None, :],
+                      mask=row_mask[:, None] & (splits[None, :] < num_working), other=-1e30)
+        lse_max = tl.max(lse, 1)
+        denom = tl.sum(tl.exp(lse - lse_max[:, None]), 1)
+        out = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
+        for s in range(0, num_working):  # in split order: the sum does not depend on who came last
+            weight = tl.exp(tl.load(lse_ptr + first_part + s, mask=row_mask, other=-1e30) - lse_max)
+            out += weight[:, None] * tl.load(o_part_ptr + (first_part + s)[:, None] * D_PAD + dims[None, :],
+                                             mask=row_mask[:, None], other=0.0)
+        tl.store(out_ptrs, (out / denom[:, None]).to(out_ptrs.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _load_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, tile, kv_head, context_len, half,
+               stride_bt, stride_cache_block, stride_cache_slot, stride_cache_head,
+               BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HALF_PAD: tl.constexpr, D_PAD: tl.constexpr):
+    """Keys of a tile as their two rotary halves [BLOCK_N, HALF_PAD], values whole [BLOCK_N, D_PAD]."""
+    keys = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    block = tl.load(block_tables_ptr + seq * stride_bt + tile * BLOCK_N // BLOCK_SIZE)
+    offs = tile_offsets(block, keys, kv_head, stride_cache_block, stride_cache_slot, stride_cache_head,
+                        BLOCK_SIZE)[:, None]
+    in_context = (keys < context_len)[:, None]
+    half_dims = tl.arange(0, HALF_PAD)[None, :]
+    dims = tl.arange(0, D_PAD)[None, :]
+    k1 = tl.load(k_cache_ptr + offs + half_dims, mask=in_context & (half_dims < half), other=0.0)
+    k2 = tl.load(k_cache_ptr + offs + half + half_dims, mask=in_context & (half_dims < half), other=0.0)
+    v = tl.load(v_cache_ptr + offs + dims, mask=in_context & (dims < 2 * half), other=0.0)
+    return k1, k2, v
+
+
+@triton.jit
+def _attend_tile(q1, q2, k1, k2, v, k_new1, k_new2, v_new, tile, new_key, context_len, scale, m_i, l_i, acc,
+                 BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Fold one tile of keys into the running softmax; the new token's row comes from registers."""
+    keys = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    is_new = (keys == new_key)[:, None]  # its cache row is stale (or not yet written)
+    k1, k2, v = tl.where(is_new, k_new1, k1), tl.where(is_new, k_new2, k2), tl.where(is_new, v_new, v)
+    scores = tl.dot(q1, tl.trans(k1), input_precision=DOT_PRECISION)
+    scores = (scores + tl.dot(q2, tl.trans(k2), input_precision=DOT_PRECISION)) * scale
+    scores = tl.where((keys < context_len)[None, :], scores, float("-inf"))  # [GROUP_PAD, BLOCK_N]
+    # Every tile in range holds at least one real key, so the running max stays finite.
+    return online_softmax_step(scores, v, m_i, l_i, acc, DOT_PRECISION)
+
+
+@triton.jit
+def _fused_decode_kernel(
+    q_ptr, k_ptr, v_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, q_w_ptr, k_w_ptr, eps,
+    k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+    o_part_ptr, lse_ptr, arrivals_ptr, out_ptr, scale, num_splits,
+    stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_rope,
+    stride_cache_block, stride_cache_slot, stride_cache_head, stride_bt, stride_ob, stride_oh, half,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    HALF_PAD: tl.constexpr, D_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, HAS_NORM: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    rows = tl.arange(0, GROUP_PAD)
+    heads = kv_head * GROUP + rows  # query heads of this group, [GROUP_PAD]
+    row_mask = rows < GROUP
+    dims = tl.arange(0, D_PAD)
+    out_ptrs = out_ptr + seq * stride_ob + heads[:, None] * stride_oh + dims[None, :]
+    out_mask = row_mask[:, None] & (dims < 2 * half)[None, :]
+
+    # Up to the wait: step inputs and cache rows of earlier steps, nothing a kernel before us writes.
+    context_len = tl.load(context_lens_ptr + seq)
+    num_tiles = tl.cdiv(context_len, BLOCK_N)
+    tiles_per_split = tl.cdiv(num_tiles, num_splits)
+    tile_begin = split * tiles_per_split
+    if tile_begin >= num_tiles:  # nothing to do (context shorter than the splits, or a padded row)
+        wait_for_previous_kernel(PDL)
+        if num_tiles == 0 and split == 0:  # a padded row (context 0): zero output
+            tl.store(out_ptrs, tl.zeros([GROUP_PAD, D_PAD], out_ptr.dtype.element_ty), mask=out_mask)
         return
-    tl.store(arrivals, 0)  # ready for the next step
-    splits = tl.arange(0, SPLITS_PAD)
-    # -1e30, not -inf, for what is not there: weight 0 next to real splits, and no NaN in
-    # the padding rows of the group (never stored)
-    lse = tl.load(lse_ptr + first_part[:, None] + splits[None, :],
-                  mask=row_mask[:, None] & (splits[None, :] < num_working), other=-1e30)
-    lse_max = tl.max(lse, 1)
-    denom = tl.sum(tl.exp(lse - lse_max[:, None]), 1)
-    out = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
-    for s in range(0, num_working):  # in split order: the sum does not depend on arrival order
-        weight = tl.exp(tl.load(lse_ptr + first_part + s, mask=row_mask, other=-1e30) - lse_max)
-        out += weight[:, None] * tl.load(o_part_ptr + (first_part + s)[:, None] * D_PAD + dims[None, :],
-                                         mask=row_mask[:, None], other=0.0)
-    tl.store(out_ptrs, (out / denom[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
+    tile_end = tl.minimum(tile_begin + tiles_per_split, num_tiles)
+    half_dims = tl.arange(0, HALF_PAD)[None, :]
+    pos = tl.load(pos_ptr + seq)
+    cos = tl.load(cos_ptr + pos * stride_rope + half_dims, mask=half_dims < half)  # [1, HALF_PAD]
+    sin = tl.load(sin_ptr + pos * stride_rope + half_dims, mask=half_dims < half)
+    k1, k2, v = _load_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, tile_begin, kv_head, context_len, half,
+                           stride_bt, stride_cache_block, stride_cache_slot, stride_cache_head,
+                           BLOCK_SIZE, BLOCK_N, HALF_PAD, D_PAD)
+    wait_for_previous_kernel(PDL)
+
+    q1, q2 = norm_rotate(q_ptr + seq * stride_qb + kv_head * GROUP * stride_qh, stride_qh, GROUP, q_w_ptr, eps,
+                         cos, sin, half, HAS_NORM, GROUP_PAD, HALF_PAD)
+    k_new1, k_new2 = norm_rotate(k_ptr + seq * stride_kb + kv_head * stride_kh, stride_kh, 1, k_w_ptr, eps,
+                                 cos, sin, half, HAS_NORM, 1, HALF_PAD)  # [1, HALF_PAD] each
+    v_new = tl.load(v_ptr + seq * stride_vb + kv_head * stride_vh + dims[None, :], mask=dims[None, :] < 2 * half)
+    new_key = context_len - 1
+    slot = tl.load(slot_ptr + seq).to(tl.int64)  # int64: slot * stride exceeds 2**31 in big caches
+    if (tile_end * BLOCK_N > new_key) & (slot >= 0):  # the new token is ours: cache it for later steps
+        dst = slot * stride_cache_slot + kv_head * stride_cache_head
+        tl.store(k_cache_ptr + dst + half_dims, k_new1, mask=half_dims < half)
+        tl.store(k_cache_ptr + dst + half + half_dims, k_new2, mask=half_dims < half)
+        tl.store(v_cache_ptr + dst + dims[None, :], v_new, mask=dims[None, :] < 2 * half)
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)  # running max
+    l_i = tl.zeros([GROUP_PAD], tl.float32)  # running sum of exp
+    acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
+    for tile in range(tile_begin, tile_end):
+        if tile > tile_begin:  # the first tile was loaded before the wait
+            k1, k2, v = _load_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, tile, kv_head, context_len,
+                                   half, stride_bt, stride_cache_block, stride_cache_slot, stride_cache_head,
+                                   BLOCK_SIZE, BLOCK_N, HALF_PAD, D_PAD)
+        m_i, l_i, acc = _attend_tile(q1, q2, k1, k2, v, k_new1, k_new2, v_new, tile, new_key, context_len, scale,
+                                     m_i, l_i, acc, BLOCK_N, DOT_PRECISION)
+    _store_partial_and_merge(acc, m_i, l_i, seq, kv_head, split, num_splits, tl.cdiv(num_tiles, tiles_per_split),
+                             heads, row_mask, dims, o_part_ptr, lse_ptr, arrivals_ptr, out_ptrs, out_mask,
+                             D_PAD, GROUP, GROUP_PAD, SPLITS_PAD)
 
 
-# Launch shape of the split kernel, measured with tools/tune_decode.py (H100, batch 256, context 1024).
-KEYS_PER_TILE, NUM_WARPS, NUM_STAGES = 64, 4, 2
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+    o_part_ptr, lse_ptr, arrivals_ptr, out_ptr, scale, num_splits,
+    stride_qb, stride_qh, stride_cache_block, stride_cache_slot, stride_cache_head, stride_bt, stride_ob, stride_oh,
+    head_dim, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    D_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+):
+    """The same split-KV attention over an already rotated q, all keys (the new one too) in the cache."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    rows = tl.arange(0, GROUP_PAD)
+    heads = kv_head * GROUP + rows
+    row_mask = rows < GROUP
+    dims = tl.arange(0, D_PAD)
+    dim_mask = dims < head_dim
+    out_ptrs = out_ptr + seq * stride_ob + heads[:, None] * stride_oh + dims[None, :]
+    out_mask = row_mask[:, None] & dim_mask[None, :]
+
+    context_len = tl.load(context_lens_ptr + seq)
+    wait_for_previous_kernel(PDL)
+    num_tiles = tl.cdiv(context_len, BLOCK_N)
+    tiles_per_split = tl.cdiv(num_tiles, num_splits)
+    tile_begin = split * tiles_per_split
+    if tile_begin >= num_tiles:
+        if num_tiles == 0 and split == 0:
+            tl.store(out_ptrs, tl.zeros([GROUP_PAD, D_PAD], out_ptr.dtype.element_ty), mask=out_mask)
+        return
+    q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + dims[None, :], mask=out_mask, other=0.0)
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
+    for tile in range(tile_begin, tl.minimum(tile_begin + tiles_per_split, num_tiles)):
+        # BLOCK_N divides BLOCK_SIZE, so the whole tile sits in one cache block.
+        keys = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        block = tl.load(block_tables_ptr + seq * stride_bt + tile * BLOCK_N // BLOCK_SIZE)
+        offs = tile_offsets(block, keys, kv_head, stride_cache_block, stride_cache_slot, stride_cache_head,
+                            BLOCK_SIZE)[:, None] + dims[None, :]
+        kv_mask = (keys < context_len)[:, None] & dim_mask[None, :]
+        k = tl.load(k_cache_ptr + offs, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + offs, mask=kv_mask, other=0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
+        scores = tl.where((keys < context_len)[None, :], scores, float("-inf"))
+        m_i, l_i, acc = online_softmax_step(scores, v, m_i, l_i, acc, DOT_PRECISION)
+    _store_partial_and_merge(acc, m_i, l_i, seq, kv_head, split, num_splits, tl.cdiv(num_tiles, tiles_per_split),
+                             heads, row_mask, dims, o_part_ptr, lse_ptr, arrivals_ptr, out_ptrs, out_mask,
+                             D_PAD, GROUP, GROUP_PAD, SPLITS_PAD)
 
 
 @functools.lru_cache
@@ -161,9 +284,13 @@ def _arrival_counters(device: torch.device, size: int) -> torch.Tensor:
     return torch.zeros(size, dtype=torch.int32, device=device)
 
 
-def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale):
-    """q: [B, Hq, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D];
-    block_tables: [B, max_blocks] int32; context_lens: [B] int32. Returns [B, Hq, D]."""
+def paged_decode_attention(q, k, v, positions, slot_mapping, cos, sin, q_weight, k_weight, eps: float,
+                           k_cache, v_cache, block_tables, context_lens, scale: float) -> torch.Tensor:
+    """q: [B, Hq, D]; k, v: [B, Hkv, D], the new tokens as the QKV projection made them (views are
+    fine); positions, slot_mapping: [B] (slot -1: store nothing); cos, sin, q_weight, k_weight, eps:
+    as for kv_store.rotate_and_store; k_cache, v_cache: [num_blocks, block_size, Hkv, D];
+    block_tables: [B, max_blocks] int32; context_lens: [B] int32, the new token included.
+    Stores the rotated keys and the values, and returns the attention output [B, Hq, D]."""
     batch, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
@@ -178,17 +305,27 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     o_part = torch.empty(batch, num_q_heads, num_splits, d_pad, dtype=torch.float32, device=q.device)
     lse = torch.empty(batch, num_q_heads, num_splits, dtype=torch.float32, device=q.device)
     out = torch.empty(batch, num_q_heads, head_dim, dtype=q.dtype, device=q.device)
-
-    arrivals = _arrival_counters(q.device, batch * num_kv_heads)
-    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, o_part, lse, arrivals, out, scale, num_splits,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1), head_dim,
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size,
-        BLOCK_N=block_n, D_PAD=d_pad, SPLITS_PAD=triton.next_power_of_2(num_splits),
-        # float32 inputs get exact products (not TF32) to match a float32 reference.
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES, **launch_options(q.device),
-    )
+    scratch = (o_part, lse, _arrival_counters(q.device, batch * num_kv_heads), out, scale, num_splits)
+    shape = dict(GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size,
+                 BLOCK_N=block_n, D_PAD=d_pad, SPLITS_PAD=triton.next_power_of_2(num_splits),
+                 # float32 inputs get exact products (not TF32) to match a float32 reference.
+                 DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+                 num_warps=NUM_WARPS, num_stages=NUM_STAGES, **launch_options(q.device))
+    grid = (batch, num_kv_heads, num_splits)
+    if batch > FUSED_MAX_BATCH:
+        q = rotate_and_store(q, k, v, positions, cos, sin, q_weight, k_weight, eps, k_cache, v_cache, slot_mapping)
+        _decode_split_kernel[grid](
+            q, k_cache, v_cache, block_tables, context_lens, *scratch,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+            out.stride(0), out.stride(1), head_dim, **shape)
+        return out
+    assert k.stride(-1) == 1 and v.stride(-1) == 1 and cos.stride(-1) == 1 and head_dim % 2 == 0
+    has_norm = q_weight is not None
+    _fused_decode_kernel[grid](
+        q, k, v, positions, slot_mapping, cos, sin, q_weight if has_norm else cos, k_weight if has_norm else cos,
+        eps, k_cache, v_cache, block_tables, context_lens, *scratch,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        out.stride(0), out.stride(1), head_dim // 2,
+        HALF_PAD=max(16, triton.next_power_of_2(head_dim // 2)), HAS_NORM=has_norm, **(shape | dict(num_warps=FUSED_NUM_WARPS)))
     return out
-

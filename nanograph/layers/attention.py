@@ -11,8 +11,9 @@ one query per sequence.
   scaled_dot_product_attention with an explicit mask. Slow but obviously right; runs anywhere;
   the oracle every other backend is tested against.
 - `triton`: nanograph's own kernels (nanograph/kernels), reading the cache in place. They
-  never synchronise with the host, so decode can be captured in a CUDA graph. Norm, rotary and
-  the K/V store are one fused kernel (kernels/kv_store.py).
+  never synchronise with the host, so decode can be captured in a CUDA graph. For prefill, norm,
+  rotary and the K/V store are one kernel (kernels/kv_store.py); decode does all of it inside
+  its attention kernel (kernels/paged_decode.py), one dependent launch fewer per layer.
 - `flash_attn`: flash-attn's paged kernels, used when the package imports (needs block size 256);
   the fused rotate-and-store kernel as with `triton`.
 """
@@ -68,17 +69,24 @@ def triton_prefill(q, k_cache, v_cache, md: AttentionMetadata, scale: float) -> 
                                    md.max_seqlen_q, scale)
 
 
-def triton_decode(q, k_cache, v_cache, md: AttentionMetadata, scale: float) -> torch.Tensor:
-    from nanograph.kernels.paged_decode import paged_decode_attention
-    return paged_decode_attention(q, k_cache, v_cache, md.block_tables, md.context_lens, scale)
+def rotary_tables(rotary) -> tuple:
+    """(cos, sin, q_weight, k_weight, eps): what the Triton kernels take for rotary and qk-norm."""
+    rope, q_norm, k_norm = rotary
+    if q_norm is None:
+        return rope.cos, rope.sin, None, None, 0.0
+    return rope.cos, rope.sin, q_norm.weight, k_norm.weight, q_norm.eps
 
 
 def triton_rotate_and_store(q, k, v, positions, rotary, k_cache, v_cache, slot_mapping):
     from nanograph.kernels.kv_store import rotate_and_store
-    rope, q_norm, k_norm = rotary
-    q_weight, k_weight, eps = (None, None, 0.0) if q_norm is None else (q_norm.weight, k_norm.weight, q_norm.eps)
-    return rotate_and_store(q, k, v, positions, rope.cos, rope.sin, q_weight, k_weight, eps,
-                            k_cache, v_cache, slot_mapping)
+    return rotate_and_store(q, k, v, positions, *rotary_tables(rotary), k_cache, v_cache, slot_mapping)
+
+
+def triton_rotate_store_and_decode(q, k, v, positions, rotary, k_cache, v_cache, md: AttentionMetadata,
+                                   scale: float) -> torch.Tensor:
+    from nanograph.kernels.paged_decode import paged_decode_attention
+    return paged_decode_attention(q, k, v, positions, md.slot_mapping, *rotary_tables(rotary), k_cache, v_cache,
+                                  md.block_tables, md.context_lens, scale)
 
 
 def flash_attn_prefill(q, k_cache, v_cache, md: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -95,10 +103,19 @@ def flash_attn_decode(q, k_cache, v_cache, md: AttentionMetadata, scale: float) 
                                    block_table=md.block_tables, softmax_scale=scale, causal=True).squeeze(1)
 
 
-BACKENDS = {  # name -> (rotate_and_store, prefill, decode)
-    "torch": (torch_rotate_and_store, torch_prefill, torch_decode),
-    "triton": (triton_rotate_and_store, triton_prefill, triton_decode),
-    "flash_attn": (triton_rotate_and_store, flash_attn_prefill, flash_attn_decode),
+def rotate_then(rotate_and_store, attend):
+    """A step that rotates q and k and stores K/V, then attends: two separate kernels."""
+    def step(q, k, v, positions, rotary, k_cache, v_cache, md: AttentionMetadata, scale: float):
+        q = rotate_and_store(q, k, v, positions, rotary, k_cache, v_cache, md.slot_mapping)
+        return attend(q, k_cache, v_cache, md, scale)
+    return step
+
+
+BACKENDS = {  # name -> (prefill step, decode step), each (q, k, v, positions, rotary, caches, md, scale)
+    "torch": (rotate_then(torch_rotate_and_store, torch_prefill), rotate_then(torch_rotate_and_store, torch_decode)),
+    "triton": (rotate_then(triton_rotate_and_store, triton_prefill), triton_rotate_store_and_decode),
+    "flash_attn": (rotate_then(triton_rotate_and_store, flash_attn_prefill),
+                   rotate_then(triton_rotate_and_store, flash_attn_decode)),
 }
 
 
@@ -127,7 +144,6 @@ class Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         md = get_attention_metadata()
-        rotate_and_store, prefill, decode = BACKENDS[self.backend]
-        q = rotate_and_store(q, k, v, positions, self.rotary, self.k_cache, self.v_cache, md.slot_mapping)
-        attend = prefill if md.is_prefill else decode
-        return attend(q, self.k_cache, self.v_cache, md, self.scale)
+        prefill, decode = BACKENDS[self.backend]
+        step = prefill if md.is_prefill else decode
+        return step(q, k, v, positions, self.rotary, self.k_cache, self.v_cache, md, self.scale)
