@@ -23,7 +23,9 @@ What makes replay possible:
 
 What still runs outside the graph each decode step: filling the host mirror and its copy, the
 sampler (per-request seeds and top-k/top-p branch on the host), and `.tolist()` of the tokens.
-The LM head is inside the graph.
+The LM head is inside the graph. Inside it, at small batch, each kernel may start before the
+previous one ends (programmatic dependent launch, kernels/pdl.py): a graph removes the CPU's
+launch cost, PDL also hides each kernel's start-up on the GPU.
 
 Ladder policies (`cuda_graph_policy`, or an explicit `cuda_graph_sizes`):
 - `pow2`: 1, 2, 4, ..., max_bs: few graphs, up to 100% padding just above a power of two;
