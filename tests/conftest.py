@@ -2,9 +2,17 @@
 
 No weights can be downloaded here, so every test builds its model from a transformers config
 class with a fixed seed and saves it (float32 safetensors + config + generation config).
+
+Without CUDA the Triton kernels run in Triton's interpreter (the `*_interpreter` tests of
+test_kernels.py); the variable must be set before triton is first imported, hence here.
 """
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, Qwen2Config, Qwen3Config
 
 COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
