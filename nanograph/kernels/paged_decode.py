@@ -70,7 +70,7 @@ import triton.language as tl
 
 from nanograph.kernels.kv_store import norm_rotate, rotate_and_store
 from nanograph.kernels.pdl import launch_options, wait_for_previous_kernel
-from nanograph.kernels.tiles import online_softmax_step, tile_offsets
+from nanograph.kernels.tiles import load_kv_tile, online_softmax_step, tile_offsets
 
 # Launch shape of the split kernel, measured with tools/tune_decode.py (H100, batch 256, context 1024).
 KEYS_PER_TILE, NUM_WARPS, NUM_STAGES = 64, 4, 2
@@ -251,11 +251,9 @@ def _decode_split_kernel(
         # BLOCK_N divides BLOCK_SIZE, so the whole tile sits in one cache block.
         keys = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         block = tl.load(block_tables_ptr + seq * stride_bt + tile * BLOCK_N // BLOCK_SIZE)
-        offs = tile_offsets(block, keys, kv_head, stride_cache_block, stride_cache_slot, stride_cache_head,
-                            BLOCK_SIZE)[:, None] + dims[None, :]
-        kv_mask = (keys < context_len)[:, None] & dim_mask[None, :]
-        k = tl.load(k_cache_ptr + offs, mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + offs, mask=kv_mask, other=0.0)
+        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, block, keys, kv_head, dims,
+                            (keys < context_len)[:, None] & dim_mask[None, :],
+                            stride_cache_block, stride_cache_slot, stride_cache_head, BLOCK_SIZE)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
         scores = tl.where((keys < context_len)[None, :], scores, float("-inf"))
         m_i, l_i, acc = online_softmax_step(scores, v, m_i, l_i, acc, DOT_PRECISION)
@@ -327,5 +325,6 @@ def paged_decode_attention(q, k, v, positions, slot_mapping, cos, sin, q_weight,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1), head_dim // 2,
-        HALF_PAD=max(16, triton.next_power_of_2(head_dim // 2)), HAS_NORM=has_norm, **(shape | dict(num_warps=FUSED_NUM_WARPS)))
+        HALF_PAD=max(16, triton.next_power_of_2(head_dim // 2)), HAS_NORM=has_norm,
+        **(shape | dict(num_warps=FUSED_NUM_WARPS)))
     return out

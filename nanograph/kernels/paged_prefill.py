@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanograph.kernels.tiles import online_softmax_step, tile_offsets
+from nanograph.kernels.tiles import load_kv_tile, online_softmax_step
 
 
 @triton.jit
@@ -70,11 +70,9 @@ def _prefill_kernel(
     for kv_start in range(0, kv_end, BLOCK_N):
         keys = kv_start + tl.arange(0, BLOCK_N)
         block = tl.load(block_tables_ptr + seq * stride_bt + kv_start // BLOCK_SIZE)
-        offs = tile_offsets(block, keys, kv_head, stride_cache_block, stride_cache_slot, stride_cache_head,
-                            BLOCK_SIZE)[:, None] + dims[None, :]
-        kv_mask = (keys < kv_end)[:, None] & dim_mask[None, :]
-        k = tl.load(k_cache_ptr + offs, mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + offs, mask=kv_mask, other=0.0)
+        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, block, keys, kv_head, dims,
+                            (keys < kv_end)[:, None] & dim_mask[None, :],
+                            stride_cache_block, stride_cache_slot, stride_cache_head, BLOCK_SIZE)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
         # Causal mask; it also hides keys >= kv_end from every real query.
         scores = tl.where(keys[None, :] <= q_pos[:, None], scores, float("-inf"))

@@ -1,6 +1,6 @@
 """Programmatic dependent launch (PDL): let the next kernel start before this one ends.
 
-At batch 1 a decode step is a chain of ~300 kernels, each waiting for the one before. Inside a
+At batch 1 a decode step is a chain of ~150 kernels, each waiting for the one before. Inside a
 CUDA graph the CPU launch cost is gone, but every kernel still starts cold: its blocks are
 scheduled only once the previous kernel has finished, and then wait a DRAM round trip for their
 first bytes. For the small GEMVs of a 0.6B model (4-12 MB of weights each) that start-up is as

@@ -1,7 +1,8 @@
 """The two steps both attention kernels repeat for every tile of keys.
 
-- `tile_offsets`: a tile of BLOCK_N keys lies inside one cache block (BLOCK_N divides the block
-  size), so one block-table entry locates all its rows: their offsets in the cache.
+- `tile_offsets` / `load_kv_tile`: a tile of BLOCK_N keys lies inside one cache block (BLOCK_N
+  divides the block size), so one block-table entry locates all its rows: their offsets in the
+  cache are computed once per tile, and K and V are loaded from them.
 - `online_softmax_step`: flash attention's running softmax. For each query row we keep the
   running max m, the running sum of exp l and the unnormalised output acc; a new tile with a
   larger max rescales the old sums by exp(m_old - m_new), so the scores of the whole context are
@@ -17,6 +18,17 @@ def tile_offsets(block, keys, kv_head, stride_cache_block, stride_cache_slot, st
     """Offsets [BLOCK_N] of the keys' rows (for one KV head) in a cache, all in cache block `block`."""
     return (block.to(tl.int64) * stride_cache_block + (keys % BLOCK_SIZE) * stride_cache_slot
             + kv_head * stride_cache_head)
+
+
+@triton.jit
+def load_kv_tile(k_cache_ptr, v_cache_ptr, block, keys, kv_head, dims, mask,
+                 stride_cache_block, stride_cache_slot, stride_cache_head, BLOCK_SIZE: tl.constexpr):
+    """K and V rows [BLOCK_N, len(dims)] of the keys (masked entries 0)."""
+    offs = tile_offsets(block, keys, kv_head, stride_cache_block, stride_cache_slot, stride_cache_head,
+                        BLOCK_SIZE)[:, None] + dims[None, :]
+    k = tl.load(k_cache_ptr + offs, mask=mask, other=0.0)
+    v = tl.load(v_cache_ptr + offs, mask=mask, other=0.0)
+    return k, v
 
 
 @triton.jit

@@ -43,7 +43,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 def norm_and_rotate(q, k, positions, cos, sin, q_weight, k_weight, eps: float):
     """Qwen3's per-head RMSNorm of q and k (when weights are given), then rotary. The torch
     attention backend's path; on CUDA the other backends run it fused with the K/V store
-    (kernels/kv_store.py)."""
+    (kernels/kv_store.py), or inside decode attention at small batch (kernels/paged_decode.py)."""
     if q_weight is not None:
         q, k = rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)
     cos, sin = cos[positions], sin[positions]
