@@ -12,8 +12,6 @@ from transformers import AutoConfig, PretrainedConfig
 
 from nanograph.utils.loader import resolve_model_dir
 
-LADDER_POLICIES = ("default", "pow2", "nano-vllm", "exp")
-
 
 @dataclass
 class Config:
@@ -29,12 +27,15 @@ class Config:
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
     cuda_graph_max_bs: int | None = None       # None: sized from free memory; 0: no graphs
-    cuda_graph_sizes: list[int] | None = None  # explicit bucket ladder, overrides the policy
-    cuda_graph_policy: str = "default"         # one of LADDER_POLICIES, see cuda_graph.py
+    cuda_graph_sizes: list[int] | None = None  # explicit bucket ladder (default: see cuda_graph.py)
     attention_backend: str = "auto"            # auto | flash_attn | triton | torch
     enable_prefix_caching: bool = True
     tensor_parallel_size: int = 1
     seed: int = 0
+    overlap_scheduling: bool | None = None     # None: on with CUDA (see llm.py)
+    enable_lora: bool = False
+    max_loras: int = 4                         # adapters resident at once (GPU slots)
+    max_lora_rank: int = 64
     model_dir: str = field(init=False)
     hf_config: PretrainedConfig = field(init=False)
     torch_dtype: torch.dtype = field(init=False)
@@ -46,21 +47,22 @@ class Config:
         bs = self.kvcache_block_size
         if bs < 16 or bs > 256 or bs & (bs - 1):
             raise ValueError(f"kvcache_block_size must be a power of two in [16, 256], got {bs}")
-        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "max_loras",
+                     "max_lora_rank"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.num_kvcache_blocks is not None and self.num_kvcache_blocks < 1:
             raise ValueError(f"num_kvcache_blocks must be >= 1, got {self.num_kvcache_blocks}")
-        if self.cuda_graph_policy not in LADDER_POLICIES:
-            raise ValueError(f"cuda_graph_policy must be one of {LADDER_POLICIES}, got {self.cuda_graph_policy!r}")
         if self.attention_backend not in ("auto", "flash_attn", "triton", "torch"):
             raise ValueError(f"attention_backend must be auto, flash_attn, triton or torch, got {self.attention_backend!r}")
         if self.attention_backend == "flash_attn" and bs != 256:
             raise ValueError(f"attention_backend='flash_attn' needs kvcache_block_size=256, got {bs}")
         if self.cuda_graph_sizes is not None and (not self.cuda_graph_sizes or min(self.cuda_graph_sizes) < 1):
             raise ValueError(f"cuda_graph_sizes must be a non-empty list of batch sizes >= 1, got {self.cuda_graph_sizes}")
+        if self.overlap_scheduling is None:
+            self.overlap_scheduling = self.device.startswith("cuda")
         self.model_dir = resolve_model_dir(self.model, weights=self.load_format != "dummy")
         if not os.path.exists(os.path.join(self.model_dir, "config.json")):
             raise ValueError(f"model {self.model!r}: no config.json in {self.model_dir}")

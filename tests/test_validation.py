@@ -45,8 +45,8 @@ def test_unknown_model_path_and_bad_knobs(tmp_path, tiny_model):
         LLM("nanograph-test/definitely-not-a-model")
     with pytest.raises(ValueError, match="kvcache_block_size must be a power of two"):
         LLM(tiny_model("qwen3"), kvcache_block_size=24)
-    with pytest.raises(ValueError, match="cuda_graph_policy"):
-        LLM(tiny_model("qwen3"), cuda_graph_policy="fibonacci")
+    with pytest.raises(ValueError, match="max_lora_rank must be >= 1"):
+        LLM(tiny_model("qwen3"), max_lora_rank=0)
 
 
 def test_flash_attn_needs_block_size_256(tiny_model):

@@ -48,31 +48,18 @@ from nanograph.utils.context import AttentionMetadata, set_attention_metadata
 log = logging.getLogger("nanograph")
 
 
-def bucket_ladder(policy: str, max_bs: int) -> list[int]:
-    small = [s for s in (1, 2, 4, 8) if s < max_bs]
-    if policy == "pow2":
-        sizes = [1 << i for i in range(max_bs.bit_length())]
-    elif policy == "nano-vllm":
-        sizes = small + list(range(16, max_bs + 1, 16))
-    else:  # "exp" / "default"
-        sizes, s = list(small), max_bs
-        while s > 8:
-            sizes.append(s)
-            s = (s * 4 // 5) // 8 * 8  # keep sizes multiples of 8: GEMM tiles like them
+def bucket_ladder(max_bs: int) -> list[int]:
+    """1, 2, 4, 8, then sizes shrinking geometrically by 4/5 down from max_bs, multiples of 8."""
+    sizes, s = [s for s in (1, 2, 4, 8) if s < max_bs], max_bs
+    while s > 8:
+        sizes.append(s)
+        s = (s * 4 // 5) // 8 * 8  # keep sizes multiples of 8: GEMM tiles like them
     return sorted(set(sizes + [max_bs]))
 
 
 def find_bucket(ladder: list[int], n: int) -> int | None:
     """Smallest bucket that holds n rows; None when n is above the ladder (run eager)."""
     return next((bs for bs in ladder if bs >= n), None)
-
-
-def graph_max_bs_from_memory(config, free_bytes: int) -> int:
-    """Largest batch whose graph activations (a few hidden-size vectors, the MLP, the logits per
-    row) fit in half the memory left after the KV cache."""
-    hf = config.hf_config
-    per_row = (6 * hf.hidden_size + 3 * hf.intermediate_size + 2 * hf.vocab_size) * config.torch_dtype.itemsize
-    return max(1, min(config.max_num_seqs, 512, free_bytes // 2 // per_row))
 
 
 class DecodeBuffers:
@@ -161,12 +148,7 @@ class CudaGraphRunner:
         if cfg.cuda_graph_sizes:
             ladder = sorted(set(cfg.cuda_graph_sizes))
         else:
-            max_bs = cfg.cuda_graph_max_bs or graph_max_bs_from_memory(cfg, torch.cuda.mem_get_info()[0])
-            if dist.is_initialized():  # every rank must capture the same ladder, or collectives deadlock
-                t = torch.tensor([max_bs], device=runner.device)
-                dist.all_reduce(t, op=dist.ReduceOp.MIN)
-                max_bs = int(t.item())
-            ladder = bucket_ladder(cfg.cuda_graph_policy, max_bs)
+            ladder = bucket_ladder(cfg.cuda_graph_max_bs or min(cfg.max_num_seqs, 512))
         self.ladder = self.stats.ladder = ladder
         max_blocks = -(-cfg.max_model_len // cfg.kvcache_block_size)
         self.buffers = DecodeBuffers(ladder[-1], max_blocks, runner.device)
