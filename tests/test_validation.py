@@ -59,3 +59,27 @@ def test_generate_after_close_is_a_clear_error(tiny_model):
     llm.close()
     with pytest.raises(RuntimeError, match="closed"):
         llm.generate([[1, 2, 3]], use_tqdm=False)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(temperature=float("nan")), "temperature must be >= 0 and finite, got nan"),
+    (dict(temperature=float("inf")), "temperature must be >= 0 and finite, got inf"),
+    (dict(top_p=float("nan")), "top_p must be in"),
+    (dict(top_p=float("inf")), "top_p must be in"),
+    (dict(max_tokens=2.5), "max_tokens must be an integer, got 2.5"),
+    (dict(max_tokens=True), "max_tokens must be an integer, got True"),
+    (dict(top_k=1.5), "top_k must be an integer, got 1.5"),
+    (dict(seed=1.5), "seed must be an integer, got 1.5"),
+    (dict(seed="7"), "seed must be an integer, got '7'"),
+    (dict(stop_token_ids=[-3]), "stop_token_ids must be a list of token ids >= 0, got \\[-3\\]"),
+    (dict(stop_token_ids=[2.0]), "stop_token_ids must be a list"),
+    (dict(stop_token_ids=7), "stop_token_ids must be a list"),
+])
+def test_malformed_sampling_params(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_stop_token_outside_vocabulary_is_rejected_at_intake(llm):
+    with pytest.raises(ValueError, match="request 0: stop_token_ids"):
+        llm.generate([[1, 2]], SamplingParams(stop_token_ids=[10**6]), use_tqdm=False)

@@ -2,17 +2,28 @@
 
 A model is named by a local HF-format directory or a hub id. Hub ids go through
 huggingface_hub's normal cache (offline machines get a clear error). Weights stream out of the
-.safetensors files one tensor at a time: each checkpoint name is mapped to its nanograph
+.safetensors files one tensor at a time (the files `model.safetensors.index.json` names, if
+there is one, as HF writes sharded checkpoints): each checkpoint name is mapped to its nanograph
 parameter (q/k/v -> the fused qkv_proj, gate/up -> gate_up_proj), and the parameter's own
 `weight_loader` copies in this rank's shard. `load_format="dummy"` fills random weights from
 config.json alone, for benchmarks of a model shape without its download.
+
+The load is strict, because a damaged checkpoint otherwise still "works": a parameter left
+unfilled keeps whatever memory it got, and the model answers with plausible-looking garbage.
+So every tensor the model needs must be in the files (each of q, k and v for a fused one), every
+tensor in the files must have a place (only rotary caches and the second copy of a tied LM head
+are known to be unused), shapes must match, and an unreadable file or absent shard is named.
+Each tensor-parallel rank checks its own parameters.
 """
 import glob
+import json
 import os
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
+
+from nanograph.layers.linear import tp_rank, tp_size
 
 
 def resolve_model_dir(model: str, weights: bool = True) -> str:
@@ -29,27 +40,77 @@ def resolve_model_dir(model: str, weights: bool = True) -> str:
                          f"({type(e).__name__}: {e})") from None
 
 
-def load_weights(model: nn.Module, model_dir: str) -> None:
-    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
-    if not files:
-        raise ValueError(f"model {model_dir!r}: no .safetensors files (use load_format='dummy' for random weights)")
-    params = dict(model.named_parameters(remove_duplicate=False))
+def weight_files(model_dir: str) -> list[str]:
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if not os.path.exists(index):
+        return sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    with open(index) as f:
+        files = sorted({os.path.join(model_dir, name) for name in json.load(f)["weight_map"].values()})
     for file in files:
+        if not os.path.exists(file):
+            raise ValueError(f"model {model_dir!r}: shard {os.path.basename(file)!r}, named in {index}, is missing")
+    return files
+
+
+def expected_tensors(model: nn.Module) -> dict[str, tuple[nn.Parameter, object, tuple]]:
+    """Checkpoint name -> (the parameter it fills, shard id, the shape the model expects of it).
+    A fused parameter expects one tensor per shard; a tied LM head is listed once, as the embedding."""
+    expected = {}
+    for name, param in model.named_parameters():
+        module = model.get_submodule(name.rpartition(".")[0])
+        shards = {name.replace(f".{fused}.", f".{part}."):
+                  (param, shard, (module.shard_range(shard)[1], *param.shape[1:]))
+                  for part, (fused, shard) in model.packed_modules.items() if f".{fused}." in name}
+        expected.update(shards or {name: (param, None, tuple(param.shape))})
+    return expected
+
+
+def shape_fits(got: tuple, want: tuple) -> bool:
+    """With one rank the file holds exactly the model's tensor. With tensor parallelism a rank
+    expects only its own part, so the file may be larger along the one dimension that is split."""
+    larger = [g > w for g, w in zip(got, want) if g != w]  # per dimension where they differ: is the file larger?
+    return len(got) == len(want) and (not larger or tp_size() > 1 and larger == [True])
+
+
+def read_tensors(file: str):
+    """(name, tensor) pairs of one .safetensors file, one at a time; an unreadable file is named."""
+    try:
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
-                target, shard_id = name, None
-                for part, (fused, shard) in model.packed_modules.items():
-                    if f".{part}." in name:
-                        target, shard_id = name.replace(f".{part}.", f".{fused}."), shard
-                        break
-                if target not in params:
-                    continue  # e.g. rotary caches some checkpoints store
-                param = params[target]
-                loader = getattr(param, "weight_loader", None)
-                if loader is None:
-                    param.data.copy_(f.get_tensor(name))
-                else:
-                    loader(param, f.get_tensor(name), shard_id)
+                yield name, f.get_tensor(name)
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"cannot read {file!r} (truncated or not a safetensors file?): {e}") from None
+
+
+def load_weights(model: nn.Module, model_dir: str) -> None:
+    files = weight_files(model_dir)
+    if not files:
+        raise ValueError(f"model {model_dir!r}: no .safetensors files (use load_format='dummy' for random weights)")
+    expected = expected_tensors(model)
+    aliases = {n for n, _ in model.named_parameters(remove_duplicate=False)} - {n for n, _ in model.named_parameters()}
+    seen = set()
+    for file in files:
+        for name, tensor in read_tensors(file):
+            seen.add(name)
+            if name not in expected:
+                continue  # named below, unless known to be unused
+            param, shard, want = expected[name]
+            # a parameter without a weight_loader (a norm's weight) is not sharded: copied whole
+            loader = getattr(param, "weight_loader", lambda p, loaded, shard_id: p.data.copy_(loaded))
+            try:
+                if not shape_fits(tuple(tensor.shape), want):
+                    raise RuntimeError
+                loader(param, tensor, shard)
+            except RuntimeError:  # the same error when, with tensor parallelism, this rank's slice does not fit
+                raise ValueError(f"{name} in {file!r} has shape {tuple(tensor.shape)}; " + (
+                    f"the model expects {want}" if tp_size() == 1 else
+                    f"tensor-parallel rank {tp_rank()} of {tp_size()} cannot cut its part {want} out of it")) from None
+    unplaced = {n for n in seen - set(expected) - aliases if ".rotary_emb." not in n}  # rotary caches, tied head
+    for what, names in (("checkpoint tensor(s) the model has no place for", unplaced),
+                        ("tensor(s) the model needs, missing from the checkpoint", set(expected) - seen)):
+        if names:  # the first few by name, and how many
+            raise ValueError(f"model {model_dir!r}: {len(names)} {what}: "
+                             + ", ".join(sorted(names)[:5] + ["..."] * (len(names) > 5)))
 
 
 @torch.no_grad()
