@@ -1,15 +1,38 @@
 """LLM: the user-facing engine. Validates requests, runs the step loop, returns outputs.
 
-`generate` is the whole life of a batch of requests:
-  validate every request (nothing runs unless all are valid) -> one Sequence each into the
-  scheduler -> loop { scheduler.schedule() -> model_runner.run() -> scheduler.update() } until
-  every sequence finished -> outputs in input order.
-The loop is synchronous and single-threaded on purpose: each step's inputs depend on the
-previous step's sampled tokens, and the CUDA graphs make the GPU side of a step short enough
-that the host bookkeeping is what must stay small.
+`generate` is the whole life of a batch of requests: validate every request (nothing runs
+unless all are valid) -> one Sequence each into the scheduler -> the step loop until every
+sequence finished -> outputs in input order.
+
+The step loop overlaps the host and the GPU (`overlap_scheduling`, on by default with CUDA).
+A step has a host part (schedule, build the inputs, fill the graph buffers, launch) and a GPU
+part (copy in, forward, sample, copy the ids out), and then the host reads the ids (collect:
+append them, check stops, free finished sequences). Done in order, each side idles while the
+other works. Instead the loop launches step N+1 *before* collecting step N:
+
+    host  | sched+launch N | collect N-1 | sched+launch N+1 | collect N | sched+launch N+2 | ...
+    GPU   |      ...  step N-1  |           step N            |          step N+1          |
+
+This works because step N+1 needs only one thing from step N that the host does not know in
+advance, the token each continuing sequence just sampled, and that stays on the GPU: the
+scheduler gives the sequence a placeholder for it, and the forward swaps it in on the device
+(engine/step.py). Positions, cache slots, block tables and block allocation depend only on
+how many tokens each sequence has, which the host does know. What is *not* overlapped: a step
+whose batch cannot be scheduled until the step in flight is collected (its blocks are needed)
+launches after that collect, and a prefill is launched like any step (its inputs are known).
+
+The price is a one-step lag on stops that only the token reveals (EOS, stop_token_ids): the
+sequence was already scheduled once more when its EOS comes back, so one token is computed and
+dropped (`stats()["overlap_discarded_tokens"]`); it never reaches the output. Stops known in
+advance (max_tokens, max_model_len) are never late. With `overlap_scheduling=False` the loop is
+the same with the look-ahead set to 0: collect right after launch. Both give the same tokens.
+On the CPU the "device" is the same cores as the host, so there is nothing to overlap: it is
+off there by default.
 """
+import contextlib
 import os
 import time
+from collections import deque
 from itertools import count
 
 from tqdm.auto import tqdm
@@ -17,7 +40,7 @@ from transformers import AutoTokenizer, GenerationConfig
 
 from nanograph.config import Config
 from nanograph.engine.block_manager import BlockManager
-from nanograph.engine.model_runner import ModelRunner
+from nanograph.engine.model_runner import InFlight, ModelRunner
 from nanograph.engine.scheduler import Scheduler
 from nanograph.engine.sequence import Sequence
 from nanograph.sampling_params import SamplingParams
@@ -37,7 +60,8 @@ class LLM:
             self.runner = ModelRunner(config)
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.kvcache_block_size,
                                           config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   frozenset(self.eos_ids), config.max_model_len)
         self.seq_ids = count()
         self.closed = False
 
@@ -85,6 +109,9 @@ class LLM:
                              "leaves no room to generate")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"request {i}: sampling params must be a SamplingParams, got {type(params).__name__}")
+        if any(t >= vocab for t in params.stop_token_ids or ()):
+            raise ValueError(f"request {i}: stop_token_ids {params.stop_token_ids} reach outside the vocabulary "
+                             f"[0, {vocab})")
         longest = min(len(prompt) + params.max_tokens, cfg.max_model_len)
         blocks = -(-longest // cfg.kvcache_block_size)
         if blocks > self.runner.num_kv_blocks:
@@ -108,27 +135,41 @@ class LLM:
         for seq in seqs:
             self.scheduler.add(seq)
         bar = tqdm(total=len(seqs), desc="Generating", disable=not use_tqdm, dynamic_ncols=True)
-        tokens_per_s = {"prefill": 0.0, "decode": 0.0}
-        while self.scheduler.has_work():
-            start = time.perf_counter()
-            batch, is_prefill = self.scheduler.schedule()
-            sampled = self.runner.run(batch, is_prefill)
-            finished = self.scheduler.update(batch, sampled, self.eos_ids, self.config.max_model_len)
-            kind = "prefill" if is_prefill else "decode"
-            tokens_per_s[kind] = sum(s.num_scheduled_tokens for s in batch) / (time.perf_counter() - start)
-            bar.set_postfix_str(f"prefill {tokens_per_s['prefill']:.0f} tok/s, decode {tokens_per_s['decode']:.0f} tok/s",
-                                refresh=False)
-            bar.update(len(finished))
-        bar.close()
+        try:
+            self._run(bar, lookahead=1 if self.config.overlap_scheduling else 0)
+        except BaseException:
+            # an interrupt or a failed step: nothing of this call may leak into the next one
+            with contextlib.suppress(Exception):  # a broken device must not hide the original error
+                self.runner.synchronize()
+            for seq in seqs:
+                self.scheduler.finish(seq)
+            raise
+        finally:
+            bar.close()
         return [{"text": self.tokenizer.decode(s.completion_token_ids) if self.tokenizer else None,
                  "token_ids": s.completion_token_ids} for s in seqs]
+
+    def _run(self, bar, lookahead: int) -> None:
+        """The step loop: keep up to `lookahead` launched steps uncollected."""
+        in_flight: deque[InFlight] = deque()
+        start, generated = time.perf_counter(), 0
+        while self.scheduler.has_work() or in_flight:
+            batch = self.scheduler.schedule()
+            if batch is not None:
+                in_flight.append(self.runner.launch(batch))
+            if len(in_flight) > lookahead or (batch is None and in_flight):
+                step = in_flight.popleft()
+                finished = self.scheduler.update(step.batch, self.runner.collect(step))
+                generated += sum(step.batch.samples)
+                bar.set_postfix_str(f"{generated / (time.perf_counter() - start):.0f} tok/s", refresh=False)
+                bar.update(len(finished))
 
     def stats(self) -> dict:
         stats = {"prefix_cache_hit_tokens": self.block_manager.cache_hit_tokens,
                  "preemptions": self.scheduler.num_preemptions,
+                 "overlap_discarded_tokens": self.scheduler.num_discarded_tokens,
                  "num_kvcache_blocks": self.runner.num_kv_blocks,
                  "attention_backend": self.runner.backend}
-        graphs = getattr(self.runner, "graphs", None)
-        if graphs is not None:
-            stats.update(graphs.stats.as_dict())
+        if self.runner.graphs is not None:
+            stats.update(self.runner.graphs.stats_dict())
         return stats

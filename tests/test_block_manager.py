@@ -14,7 +14,7 @@ def seq(tokens, seq_id=0, **params):
 def compute_all(bm: BlockManager, s: Sequence):
     """Pretend a step computed every token of s, as Scheduler.update does."""
     s.num_computed_tokens = len(s)
-    bm.register_computed_blocks(s)
+    bm.register_computed_blocks(s, len(s))
 
 
 def test_hash_chains_name_the_whole_prefix():
@@ -96,15 +96,15 @@ def test_scheduler_chunks_long_prompts_and_respects_limits():
         sched.add(s)
     chunks = []
     while True:
-        batch, is_prefill = sched.schedule()
-        assert is_prefill
-        chunks.append([(s.seq_id, s.num_scheduled_tokens) for s in batch])
-        sched.update(batch, [0] * len(batch), set(), 1000)
+        batch = sched.schedule()
+        assert batch.is_prefill
+        chunks.append([(s.seq_id, n) for s, n in zip(batch.seqs, batch.num_tokens)])
+        sched.update(batch, [0] * len(batch.seqs))
         if long.status == Status.RUNNING:
             break
     assert chunks == [[(0, 50)], [(0, 50)], [(0, 20), (1, 10)]]
-    batch, is_prefill = sched.schedule()          # max_num_seqs=2: b must wait for a decode slot
-    assert not is_prefill and [s.seq_id for s in batch] == [0, 1]
+    batch = sched.schedule()                      # max_num_seqs=2: b must wait for a decode slot
+    assert not batch.is_prefill and [s.seq_id for s in batch.seqs] == [0, 1]
 
 
 def test_scheduler_preempts_newest_and_requeues_it_first():
@@ -113,9 +113,8 @@ def test_scheduler_preempts_newest_and_requeues_it_first():
     old, new = seq(list(range(BS)), 0, max_tokens=50), seq(list(range(BS)), 1, max_tokens=50)
     sched.add(old)
     sched.add(new)
-    batch, _ = sched.schedule()
-    sched.update(batch, [5, 5], set(), 1000)      # both now need a second block; only one is free
-    batch, is_prefill = sched.schedule()
-    assert not is_prefill and [s.seq_id for s in batch] == [0]
+    sched.update(sched.schedule(), [5, 5])        # both now need a second block; only one is free
+    batch = sched.schedule()
+    assert not batch.is_prefill and [s.seq_id for s in batch.seqs] == [0]
     assert sched.num_preemptions == 1 and new.status == Status.WAITING and not new.block_table
     assert list(sched.waiting) == [new] and new.num_computed_tokens == 0

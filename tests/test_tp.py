@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig, Qwen3Config
 from conftest import COMMON, FAMILIES
 from nanograph import LLM, SamplingParams
 from test_engine import random_prompts
+from test_overlap import mixed_requests
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
@@ -67,6 +68,20 @@ def test_tp2_with_prefix_caching_and_preemption(tiny_model):
     assert two == one and two[0] == two[1]
     assert s2["preemptions"] == s1["preemptions"] > 0
     assert s2["prefix_cache_hit_tokens"] == s1["prefix_cache_hit_tokens"] > 0
+
+
+def test_tp2_with_overlap_matches_tp1_without(tiny_model):
+    """The control message goes out while the previous step runs, and the workers resolve the
+    placeholders from the sampled ids rank 0 broadcasts: same tokens, EOS and seeds included."""
+    path = tiny_model("qwen3")
+    prompts, params, eos = mixed_requests(path)
+    outs = []
+    for tp, overlap in ((1, False), (2, True)):
+        with LLM(path, tensor_parallel_size=tp, kvcache_block_size=16, overlap_scheduling=overlap) as llm:
+            llm.scheduler.eos_ids = frozenset({eos})
+            outs.append([o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)])
+            discarded = llm.stats()["overlap_discarded_tokens"]
+    assert outs[1] == outs[0] and discarded > 0
 
 
 def test_start_close_twice_leaves_no_process(tiny_model):

@@ -90,11 +90,13 @@ class BlockManager:
         seq.num_hashed_blocks = hits
         self.cache_hit_tokens += seq.num_cached_tokens
 
-    def register_computed_blocks(self, seq: Sequence) -> None:
-        """Enter the blocks of `seq` that are now full and computed into the prefix cache."""
+    def register_computed_blocks(self, seq: Sequence, num_computed: int) -> None:
+        """Enter the blocks of `seq` that its first `num_computed` tokens fill into the prefix cache.
+        (The caller passes the count of a step that has run: `seq.num_computed_tokens` already
+        counts steps still in flight, whose placeholder tokens cannot be hashed.)"""
         if not self.enable_prefix_caching:
             return
-        for i in range(seq.num_hashed_blocks, seq.num_computed_tokens // self.block_size):
+        for i in range(seq.num_hashed_blocks, num_computed // self.block_size):
             prefix_hash = self.blocks[seq.block_table[i - 1]].hash if i > 0 else 0
             block = self.blocks[seq.block_table[i]]
             if block.hash == -1:

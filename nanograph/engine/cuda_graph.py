@@ -8,7 +8,9 @@ What makes replay possible:
 - Static buffers. A graph replays fixed pointers, so every input lives in a buffer allocated
   once for the largest bucket: token ids, positions, slot mapping, context lengths, and the
   block tables [max_bs, max_blocks_per_seq]. They are slices of ONE int32 device tensor, so
-  `replay` fills one pinned host mirror and makes a single host-to-device copy per step.
+  `replay` fills a pinned host mirror and makes a single host-to-device copy per step. The
+  input ids may be placeholders for tokens the previous step sampled (step.py): the graph's
+  first op swaps them in from the device, so a replay never waits for the host to know them.
 - Buckets. A graph also fixes the batch size, so we capture a ladder of sizes and run a batch of
   n on the smallest bucket >= n. The rows n..bucket-1 are padding, neutralised by slot -1
   (their K/V is written nowhere) and context length 0 (attention reads nothing); their logits
@@ -21,18 +23,20 @@ What makes replay possible:
 - Warm-up. Each bucket runs once eagerly before capture, so Triton autotuning, torch.compile
   and cuBLAS workspace allocations happen outside the recording.
 
-What still runs outside the graph each decode step: filling the host mirror and its copy, the
-sampler (per-request seeds and top-k/top-p branch on the host), and `.tolist()` of the tokens.
-The LM head is inside the graph. Inside it, at small batch, each kernel may start before the
-previous one ends (programmatic dependent launch, kernels/pdl.py): a graph removes the CPU's
-launch cost, PDL also hides each kernel's start-up on the GPU.
+What still runs outside the graph each decode step: filling the host mirror and its copy, and
+the sampler (per-request seeds and top-k/top-p branch on the host), whose ids are copied back
+to the host without waiting (model_runner.py). The LM head is inside the graph. Inside it, at
+small batch, each kernel may start before the previous one ends (programmatic dependent
+launch, kernels/pdl.py): a graph removes the CPU's launch cost, PDL also hides each kernel's
+start-up on the GPU.
 
-Ladder policies (`cuda_graph_policy`, or an explicit `cuda_graph_sizes`):
-- `pow2`: 1, 2, 4, ..., max_bs: few graphs, up to 100% padding just above a power of two;
-- `nano-vllm`: 1, 2, 4, 8, then every 16: little padding, many graphs;
-- `exp` (and `default`): 1, 2, 4, 8, then sizes shrinking geometrically by 4/5 down from max_bs
-  (after Megatron-Core's exponentially-decreasing ladder): padding at most 25% with a number of
-  graphs logarithmic in max_bs.
+The ladder: `cuda_graph_sizes` if given, else 1, 2, 4, 8, then sizes shrinking geometrically
+by 4/5 down from the largest (after Megatron-Core's exponentially-decreasing ladder): padding
+at most 25% with a number of graphs logarithmic in the largest batch, which is
+`cuda_graph_max_bs`, or `min(max_num_seqs, 512)`: on an 80 GB GPU the 18 graphs of the default
+ladder took 714 MiB for the Qwen3-0.6B shape (bench.py --ladders compares other ladders).
+Every tensor-parallel rank computes the same ladder from the same config, as its collectives
+require.
 """
 import logging
 import time
@@ -40,9 +44,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from tqdm.auto import tqdm
 
+from nanograph.engine.step import resolve_input_ids
 from nanograph.utils.context import AttentionMetadata, set_attention_metadata
 
 log = logging.getLogger("nanograph")
@@ -63,8 +67,12 @@ def find_bucket(ladder: list[int], n: int) -> int | None:
 
 
 class DecodeBuffers:
-    """The static inputs of every graph, as views into one flat int32 device tensor, mirrored by
-    one pinned host tensor (numpy view for cheap filling)."""
+    """The static inputs of every graph, as views into one flat int32 device tensor, filled from
+    a pinned host mirror (numpy views for cheap filling) with one non-blocking copy per step.
+
+    There are two mirrors, used in turn. With overlap scheduling the host fills step N+1's inputs
+    while step N's copy may not have run yet; by then step N-1, which used the other mirror, has
+    been collected, so its copy is done and that mirror is free to overwrite."""
 
     FIELDS = ("input_ids", "positions", "slot_mapping", "context_lens")
 
@@ -72,11 +80,14 @@ class DecodeBuffers:
         self.max_bs, self.max_blocks = max_bs, max_blocks
         size = max_bs * (len(self.FIELDS) + max_blocks)
         self.device_flat = torch.zeros(size, dtype=torch.int32, device=device)
-        self.host_flat = torch.zeros(size, dtype=torch.int32, pin_memory=torch.device(device).type == "cuda")
-        self.host = self._views(self.host_flat.numpy())
+        pin = torch.device(device).type == "cuda"
+        self.host_flats = [torch.zeros(size, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+        self.hosts = [self._views(flat.numpy()) for flat in self.host_flats]
         self.dev = self._views(self.device_flat)
-        self.fill_padding(0, max_bs)
-        self.device_flat.copy_(self.host_flat)
+        self.turn = 0
+        for host in self.hosts:
+            self.fill_padding(host, 0, max_bs)
+        self.device_flat.copy_(self.host_flats[0])
 
     def _views(self, flat):
         n = self.max_bs
@@ -84,75 +95,63 @@ class DecodeBuffers:
         views["block_tables"] = flat[len(self.FIELDS) * n:].reshape(n, self.max_blocks)
         return views
 
-    def fill_padding(self, start: int, end: int) -> None:
+    @staticmethod
+    def fill_padding(host: dict, start: int, end: int) -> None:
         """Rows start..end-1 become padding: token 0 at position 0, no slot, no context."""
         for name, value in (("input_ids", 0), ("positions", 0), ("slot_mapping", -1), ("context_lens", 0)):
-            self.host[name][start:end] = value
+            host[name][start:end] = value
 
     def fill(self, step, bucket: int) -> None:
-        n = len(step.input_ids)
+        n, host, flat = len(step.input_ids), self.hosts[self.turn], self.host_flats[self.turn]
+        self.turn ^= 1
         for name in self.FIELDS:
-            self.host[name][:n] = getattr(step, name)
+            host[name][:n] = getattr(step, name)
         for row, table in enumerate(step.block_tables):
-            self.host["block_tables"][row, :len(table)] = table
-        self.fill_padding(n, bucket)
-        used = len(self.FIELDS) * self.max_bs
-        # one copy for the 1-D fields, one for the rows of the block tables in use
-        self.device_flat[:used].copy_(self.host_flat[:used], non_blocking=True)
-        rows = slice(used, used + bucket * self.max_blocks)
-        self.device_flat[rows].copy_(self.host_flat[rows], non_blocking=True)
+            host["block_tables"][row, :len(table)] = table
+        self.fill_padding(host, n, bucket)
+        # one copy: the 1-D fields, then the block-table rows of the bucket, which follow them
+        end = self.max_bs * len(self.FIELDS) + bucket * self.max_blocks
+        self.device_flat[:end].copy_(flat[:end], non_blocking=True)
 
 
 @dataclass
 class GraphStats:
     """What the graphs did: measured, not assumed."""
-    ladder: list[int] = field(default_factory=list)
     capture_seconds: float = 0.0
     graph_memory_bytes: int = 0
     replays: Counter = field(default_factory=Counter)   # bucket -> replays
-    eager_decode_steps: int = 0
-    real_rows: int = 0
-    padded_rows: int = 0
-
-    def record_replay(self, bucket: int, rows: int) -> None:
-        self.replays[bucket] += 1
-        self.real_rows += rows
-        self.padded_rows += bucket - rows
+    eager_steps: int = 0                                # decode batches above the largest bucket
+    real_rows: int = 0                                  # rows of real sequences over all replays
 
     def as_dict(self) -> dict:
         replayed = sum(self.replays.values())
-        decode_steps = replayed + self.eager_decode_steps
+        decode_steps = replayed + self.eager_steps
+        padded_rows = sum(bucket * n for bucket, n in self.replays.items()) - self.real_rows
         return {
-            "cuda_graph_sizes": list(self.ladder),
-            "num_graphs": len(self.ladder),
             "capture_seconds": round(self.capture_seconds, 3),
             "graph_memory_bytes": self.graph_memory_bytes,
             "decode_steps": decode_steps,
             "graph_replays": replayed,
             "graph_hit_rate": replayed / decode_steps if decode_steps else 0.0,
-            "padding_waste": self.padded_rows / self.real_rows if self.real_rows else 0.0,
+            "padding_waste": padded_rows / self.real_rows if self.real_rows else 0.0,
             "replays_per_bucket": dict(sorted(self.replays.items())),
         }
 
 
 class CudaGraphRunner:
-    def __init__(self, runner):
-        cfg = runner.config
-        self.model = runner.model  # no reference back to the runner: no cycle keeping the cache alive
-        self.ladder: list[int] = []
+    def __init__(self, model, config, device: torch.device, last_tokens: torch.Tensor):
+        self.model, self.last_tokens = model, last_tokens  # not the ModelRunner: no cycle keeping the cache alive
+        self.ladder = sorted(set(config.cuda_graph_sizes or bucket_ladder(config.cuda_graph_max_bs or
+                                                                          min(config.max_num_seqs, 512))))
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.stats = GraphStats()
-        if cfg.enforce_eager or cfg.cuda_graph_max_bs == 0:
-            return
-        if cfg.cuda_graph_sizes:
-            ladder = sorted(set(cfg.cuda_graph_sizes))
-        else:
-            ladder = bucket_ladder(cfg.cuda_graph_max_bs or min(cfg.max_num_seqs, 512))
-        self.ladder = self.stats.ladder = ladder
-        max_blocks = -(-cfg.max_model_len // cfg.kvcache_block_size)
-        self.buffers = DecodeBuffers(ladder[-1], max_blocks, runner.device)
+        max_blocks = -(-config.max_model_len // config.kvcache_block_size)
+        self.buffers = DecodeBuffers(self.ladder[-1], max_blocks, device)
         self.capture()
+
+    def stats_dict(self) -> dict:
+        return {"cuda_graph_sizes": self.ladder, "num_graphs": len(self.ladder), **self.stats.as_dict()}
 
     def metadata(self, bs: int) -> AttentionMetadata:
         dev = self.buffers.dev
@@ -161,9 +160,8 @@ class CudaGraphRunner:
     def forward(self, bs: int) -> torch.Tensor:
         dev = self.buffers.dev
         set_attention_metadata(self.metadata(bs))
-        hidden = self.model(dev["input_ids"][:bs], dev["positions"][:bs])
+        hidden = self.model(resolve_input_ids(dev["input_ids"][:bs], self.last_tokens), dev["positions"][:bs])
         return self.model.compute_logits(hidden)
-
     @torch.inference_mode()
     def capture(self) -> None:
         start, pool = time.perf_counter(), None
@@ -195,15 +193,19 @@ class CudaGraphRunner:
         reach zero: a graph left alive makes the tensor-parallel shutdown hang."""
         self.graphs.clear()
         self.logits.clear()
-        self.ladder = []
 
     def can_run(self, n: int) -> bool:
-        return bool(self.ladder) and n <= self.ladder[-1]
+        return n <= self.ladder[-1]
 
-    def replay(self, step) -> torch.Tensor:
+    def replay(self, step) -> torch.Tensor | None:
+        """Logits of a decode step from its graph; None (counted) when it must run eager."""
         n = len(step.input_ids)
+        if not self.can_run(n):
+            self.stats.eager_steps += 1
+            return None
         bucket = find_bucket(self.ladder, n)
         self.buffers.fill(step, bucket)
         self.graphs[bucket].replay()
-        self.stats.record_replay(bucket, n)
+        self.stats.replays[bucket] += 1
+        self.stats.real_rows += n
         return self.logits[bucket][:n]

@@ -1,10 +1,16 @@
 """ModelRunner: owns the model and the KV cache on one device, and runs one step at a time.
 
-A step goes: the scheduler's sequences -> `StepInput` (plain lists: the tokens to compute, their
-positions and cache slots, each sequence's context length and block table) -> tensors on the
-device -> forward (eager, or a CUDA-graph replay for decode) -> logits of each sequence's last
-token -> sampled token ids. `StepInput` is deliberately plain data: with tensor parallelism it
-is exactly what rank 0 sends the other ranks each step (see engine/tp.py).
+A step goes: the scheduler's `Batch` -> `StepInput` (step.py) -> tensors on the device ->
+forward (eager, or a CUDA-graph replay for decode) -> logits of each sequence's last token ->
+sampled token ids. It is split in two halves so the host never waits inside a step:
+- `launch` queues all of that on the GPU and returns at once: the inputs go up with
+  non-blocking copies from pinned memory, the sampled ids stay on the device (`last_tokens`,
+  where the next step's placeholders are resolved) and start a non-blocking copy back into a
+  pinned host tensor, followed by an event.
+- `collect` waits for that event and returns the ids as a list.
+Between the two the host is free: llm.py schedules and launches the next step there. Nothing in
+`launch` may synchronise with the GPU, or the overlap silently disappears: a `torch.tensor(list,
+device="cuda")` does (a pageable copy waits for the stream), hence `device_tensor`.
 
 KV cache: one tensor [2, layers, blocks, block_size, kv_heads, head_dim], each layer's
 Attention holding views into it. Its size comes from memory: on CUDA, what is left of
@@ -18,7 +24,9 @@ import torch.distributed as dist
 
 from nanograph.config import Config
 from nanograph.engine.cuda_graph import CudaGraphRunner
+from nanograph.engine.scheduler import Batch
 from nanograph.engine.sequence import Sequence
+from nanograph.engine.step import StepInput, build_step, resolve_input_ids
 from nanograph.layers.attention import resolve_backend
 from nanograph.layers.sampler import SamplingBatch, sample
 from nanograph.models.decoder import DecoderForCausalLM
@@ -30,32 +38,16 @@ CPU_KV_CACHE_BYTES = 1 << 30
 
 
 @dataclass
-class StepInput:
-    is_prefill: bool
-    input_ids: list[int]        # the tokens computed this step, all sequences concatenated
-    positions: list[int]
-    slot_mapping: list[int]     # cache slot of each of those tokens
-    context_lens: list[int]     # per sequence: keys to attend (cached + computed before + new)
-    block_tables: list[list[int]]
-    cu_seqlens_q: list[int]     # per sequence offsets into input_ids (len = sequences + 1)
+class InFlight:
+    """A launched step."""
+    batch: Batch
+    tokens: torch.Tensor               # [rows] sampled ids: a host copy, complete once `done` has passed
+    done: torch.cuda.Event | None      # None on the CPU, where the copy is synchronous
 
 
-def build_step(seqs: list[Sequence], is_prefill: bool, block_size: int) -> StepInput:
-    if not is_prefill:  # the hot path: one token per sequence, its last, at position len - 1
-        pos = [len(seq) - 1 for seq in seqs]
-        return StepInput(False, [seq.token_ids[-1] for seq in seqs], pos,
-                         [seq.block_table[p // block_size] * block_size + p % block_size for seq, p in zip(seqs, pos)],
-                         [p + 1 for p in pos], [seq.block_table for seq in seqs], list(range(len(seqs) + 1)))
-    step = StepInput(True, [], [], [], [], [], [0])
-    for seq in seqs:
-        start, end = seq.num_computed_tokens, seq.num_computed_tokens + seq.num_scheduled_tokens
-        step.input_ids += seq.token_ids[start:end]
-        step.positions += range(start, end)
-        step.slot_mapping += [seq.block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
-        step.context_lens.append(end)
-        step.block_tables.append(seq.block_table)
-        step.cu_seqlens_q.append(len(step.input_ids))
-    return step
+def device_tensor(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list on the device without waiting for the GPU (pinned memory, non-blocking copy)."""
+    return torch.tensor(data, dtype=dtype, pin_memory=device.type == "cuda").to(device, non_blocking=True)
 
 
 class ModelRunner:
@@ -69,6 +61,7 @@ class ModelRunner:
             raise RuntimeError("the layers shard over torch.distributed's default group, whose size must be "
                                f"tensor_parallel_size={config.tensor_parallel_size} (close the other LLM first)")
         self.block_size = config.kvcache_block_size
+        self.graphs = None  # "no graphs" has one spelling: this stays None
         torch.manual_seed(config.seed)
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(config.torch_dtype)  # build the weights in their final dtype directly
@@ -86,8 +79,11 @@ class ModelRunner:
         first = self.model.model.layers[0].self_attn
         # one cache block of one layer: [block_size, kv_heads on this rank, head_dim]
         self.kv_block_shape = (self.block_size, first.num_kv_heads, first.head_dim)
+        # the last step's sampled ids, where the next step's placeholders are resolved
+        self.last_tokens = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)
         self.num_kv_blocks = self.allocate_kv_cache()
-        self.graphs = CudaGraphRunner(self) if self.device.type == "cuda" else None
+        if self.device.type == "cuda" and not config.enforce_eager and config.cuda_graph_max_bs != 0:
+            self.graphs = CudaGraphRunner(self.model, config, self.device, self.last_tokens)
 
     # ---- KV cache ------------------------------------------------------------------------
     def allocate_kv_cache(self) -> int:
@@ -130,8 +126,7 @@ class ModelRunner:
                 for s in range(num_seqs)]
         for s, seq in enumerate(seqs):
             seq.block_table = list(range(s * blocks_per_seq, (s + 1) * blocks_per_seq))
-            seq.num_scheduled_tokens = len(seq)
-        step = build_step(seqs, True, self.block_size)
+        step = build_step(Batch(seqs, True, [0] * num_seqs, [len(s) for s in seqs], [True] * num_seqs), self.block_size)
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
@@ -144,53 +139,79 @@ class ModelRunner:
 
     # ---- one step --------------------------------------------------------------------------
     def attention_metadata(self, step: StepInput) -> AttentionMetadata:
-        def tensor(data, dtype=torch.int32):
-            return torch.tensor(data, dtype=dtype, pin_memory=self.device.type == "cuda").to(self.device, non_blocking=True)
         width = max(map(len, step.block_tables))
         tables = [t + [-1] * (width - len(t)) for t in step.block_tables]
-        md = AttentionMetadata(step.is_prefill, tensor(step.slot_mapping, torch.int64), tensor(step.context_lens),
-                               tensor(tables))
+        md = AttentionMetadata(step.is_prefill, device_tensor(step.slot_mapping, torch.int64, self.device),
+                               device_tensor(step.context_lens, torch.int32, self.device),
+                               device_tensor(tables, torch.int32, self.device))
         if step.is_prefill:
-            md.cu_seqlens_q, md.host_cu_seqlens_q = tensor(step.cu_seqlens_q), step.cu_seqlens_q
+            md.cu_seqlens_q = device_tensor(step.cu_seqlens_q, torch.int32, self.device)
+            md.host_cu_seqlens_q, md.host_context_lens = step.cu_seqlens_q, step.context_lens
             md.max_seqlen_q = max(b - a for a, b in zip(step.cu_seqlens_q, step.cu_seqlens_q[1:]))
-            md.host_context_lens = step.context_lens
         return md
 
     @torch.inference_mode()
     def forward(self, step: StepInput) -> torch.Tensor:
         """Logits [sequences, vocab] of each sequence's last computed token."""
-        if not step.is_prefill and self.graphs is not None and self.graphs.can_run(len(step.input_ids)):
-            return self.graphs.replay(step)
         if not step.is_prefill and self.graphs is not None:
-            self.graphs.stats.eager_decode_steps += 1
-        ids = torch.tensor(step.input_ids, dtype=torch.int64).to(self.device, non_blocking=True)
-        positions = torch.tensor(step.positions, dtype=torch.int64).to(self.device, non_blocking=True)
+            logits = self.graphs.replay(step)  # None: the batch is above the largest graph
+            if logits is not None:
+                return logits
+        ids = resolve_input_ids(device_tensor(step.input_ids, torch.int64, self.device), self.last_tokens)
+        positions = device_tensor(step.positions, torch.int64, self.device)
         set_attention_metadata(self.attention_metadata(step))
         hidden = self.model(ids, positions)
         set_attention_metadata(None)
         if step.is_prefill:
-            last = torch.tensor(step.cu_seqlens_q[1:], dtype=torch.int64).to(self.device, non_blocking=True) - 1
-            hidden = hidden[last]
+            hidden = hidden[device_tensor(step.cu_seqlens_q[1:], torch.int64, self.device) - 1]
         return self.model.compute_logits(hidden)
 
-    def sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
-        params = [seq.params for seq in seqs]
+    def sampling_batch(self, batch: Batch) -> SamplingBatch:
+        params = [seq.params for seq in batch.seqs]
         vocab = self.config.hf_config.vocab_size
-        temps = torch.tensor([p.temperature for p in params], device=self.device)
+        temps = device_tensor([p.temperature for p in params], torch.float32, self.device)
         top_ks = top_ps = None
         if any(p.top_k > 0 or p.top_p < 1 for p in params):
-            top_ks = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=self.device)
-            top_ps = torch.tensor([p.top_p for p in params], device=self.device)
+            top_ks = device_tensor([p.top_k if p.top_k > 0 else vocab for p in params], torch.int64, self.device)
+            top_ps = device_tensor([p.top_p for p in params], torch.float32, self.device)
+        # a seeded request draws only for the tokens it keeps (not for prefill chunks), so where its
+        # prompt was cut into chunks, or recomputed after a preemption, does not change its tokens
         return SamplingBatch(temps, all(p.temperature == 0 for p in params), top_ks, top_ps,
-                             [seq.generator for seq in seqs])
+                             [seq.generator if keep else None for seq, keep in zip(batch.seqs, batch.samples)])
+
+    @torch.inference_mode()
+    def launch(self, batch: Batch) -> InFlight:
+        logits = self.forward(build_step(batch, self.block_size))
+        rows = len(batch.seqs)
+        self.last_tokens[:rows] = sample(logits, self.sampling_batch(batch))
+        self.share_tokens(rows)
+        tokens = torch.empty(rows, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        tokens.copy_(self.last_tokens[:rows], non_blocking=True)
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        return InFlight(batch, tokens, done)
+
+    def share_tokens(self, rows: int) -> None:
+        """Tensor parallelism: every rank needs the sampled ids (the next step's placeholders).
+        Rank 0 samples and broadcasts them; the workers call this too and receive them."""
+        if dist.is_initialized():
+            dist.broadcast(self.last_tokens[:rows], src=0)
+
+    @staticmethod
+    def collect(launched: InFlight) -> list[int]:
+        if launched.done is not None:
+            launched.done.synchronize()
+        return launched.tokens.tolist()
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def close(self) -> None:
         if self.graphs is not None:
             self.graphs.close()
-        self.graphs = self.model = self.kv_cache = self.attention_layers = None
+        self.graphs = self.model = self.kv_cache = self.attention_layers = self.last_tokens = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
-        logits = self.forward(build_step(seqs, is_prefill, self.block_size))
-        return sample(logits, self.sampling_batch(seqs)).tolist()

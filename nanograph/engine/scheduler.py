@@ -15,21 +15,54 @@ so the decode step keeps the fixed shape a CUDA graph needs:
   recomputed later (by then its prefix may even be cached). The oldest sequences thus always
   make progress, and a single sequence alone always fits (checked at intake), so this never
   deadlocks.
+
+A step's life has two halves, because with overlap scheduling (llm.py) the next step is
+scheduled before this one's tokens are back:
+- `schedule` decides the step and at once accounts for it as computed: counters advance and
+  every sequence whose step samples a token gets a *placeholder* for it, `-1 - row` (the row of
+  this step that will sample it). The next step's decode input is then simply the last token,
+  placeholder or not, at position len - 1; the model runner swaps placeholders for the sampled
+  ids on the device. A sequence whose placeholder is its last token by length (`max_tokens`,
+  `max_model_len`) leaves `running` right away: it is never scheduled again.
+- `update` gets the step's sampled ids: fills the placeholders, registers the now computed
+  blocks in the prefix cache, and finishes sequences. A stop that only the token reveals (EOS, a
+  stop id) is seen one step late: the sequence was already scheduled once more; that token is
+  dropped (`num_discarded_tokens`) and never reaches the output.
+The per-step facts (rows, token counts, where each sampled token goes) live in the `Batch`,
+not on the sequences, since the next `schedule` runs before this step's `update`.
 """
 from collections import deque
+from dataclasses import dataclass
 
 from nanograph.engine.block_manager import BlockManager
 from nanograph.engine.sequence import Sequence, Status
 
 
+@dataclass
+class Batch:
+    """One scheduled step."""
+    seqs: list[Sequence]
+    is_prefill: bool
+    starts: list[int]       # per sequence: its first token computed this step (num_computed_tokens before)
+    num_tokens: list[int]   # per sequence: tokens computed this step (a prefill chunk, or 1)
+    samples: list[bool]     # per sequence: whether this step samples its next token (False: a chunk)
+
+    def end(self, row: int) -> int:
+        """Tokens of the row's sequence computed after this step; a sampled token goes at this index."""
+        return self.starts[row] + self.num_tokens[row]
+
+
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 eos_ids: frozenset[int] = frozenset(), max_model_len: int = 1 << 30):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.eos_ids, self.max_model_len = eos_ids, max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
+        self.num_discarded_tokens = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -37,27 +70,27 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> tuple[list[Sequence], bool]:
-        """Returns (sequences of this step, is_prefill). Sets each one's num_scheduled_tokens."""
-        batch, budget = [], self.max_num_batched_tokens
-        while self.waiting and budget > 0 and len(self.running) + len(batch) < self.max_num_seqs:
+    def schedule(self) -> Batch | None:
+        """The next step (None: nothing can run until an in-flight step is collected)."""
+        seqs, counts, budget = [], [], self.max_num_batched_tokens
+        while self.waiting and budget > 0 and len(self.running) + len(seqs) < self.max_num_seqs:
             seq = self.waiting[0]
             if not seq.block_table:
                 if not self.block_manager.can_allocate(seq):
                     break
                 self.block_manager.allocate(seq)
-            seq.num_scheduled_tokens = min(len(seq) - seq.num_computed_tokens, budget)
-            budget -= seq.num_scheduled_tokens
-            batch.append(seq)
-            if seq.num_computed_tokens + seq.num_scheduled_tokens < len(seq):
+            counts.append(min(len(seq) - seq.num_computed_tokens, budget))
+            budget -= counts[-1]
+            seqs.append(seq)
+            if seq.num_computed_tokens + counts[-1] < len(seq):
                 break  # a chunk: the budget is spent, the rest of the prompt goes next step
             self.waiting.popleft()
             seq.status = Status.RUNNING
-        if batch:
-            self.running.extend(s for s in batch if s.status == Status.RUNNING)
-            return batch, True
+        if seqs:
+            self.running.extend(s for s in seqs if s.status == Status.RUNNING)
+            return self.account(Batch(seqs, True, [], counts, []))
 
-        while self.running and len(batch) < self.max_num_seqs:
+        while self.running and len(seqs) < self.max_num_seqs:
             seq = self.running.popleft()
             while not self.block_manager.append_slot(seq):
                 victim = self.running.pop() if self.running else seq
@@ -65,10 +98,22 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                seq.num_scheduled_tokens = 1
-                batch.append(seq)
-        self.running.extendleft(reversed(batch))
-        return batch, False
+                seqs.append(seq)
+        self.running.extendleft(reversed(seqs))
+        return self.account(Batch(seqs, False, [], [1] * len(seqs), [])) if seqs else None
+
+    def account(self, batch: Batch) -> Batch:
+        """Treat `batch` as computed: advance the counters, give each sampling row a placeholder."""
+        for row, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
+            batch.starts.append(seq.num_computed_tokens)
+            seq.num_computed_tokens += n
+            batch.samples.append(seq.num_computed_tokens == len(seq))
+            if not batch.samples[-1]:
+                continue  # a prefill chunk: its logits predict nothing
+            seq.token_ids.append(-1 - row)
+            if len(seq) - seq.num_prompt_tokens >= seq.params.max_tokens or len(seq) >= self.max_model_len:
+                self.running.remove(seq)  # its last token is decided: finishes in update()
+        return batch
 
     def preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
@@ -77,20 +122,31 @@ class Scheduler:
         self.waiting.insert(1 if self.waiting and self.waiting[0].block_table else 0, seq)
         self.num_preemptions += 1
 
-    def update(self, batch: list[Sequence], sampled: list[int], eos_ids: set[int], max_model_len: int) -> list[Sequence]:
-        """Account for a finished step; returns the sequences that finished."""
+    def update(self, batch: Batch, sampled: list[int]) -> list[Sequence]:
+        """Account for a collected step; returns the sequences that finished."""
         finished = []
-        for seq, token in zip(batch, sampled):
-            seq.num_computed_tokens += seq.num_scheduled_tokens
-            self.block_manager.register_computed_blocks(seq)
-            if seq.num_computed_tokens < len(seq):
-                continue  # a prefill chunk: its logits predict nothing new
-            seq.token_ids.append(token)
+        for row, (seq, token) in enumerate(zip(batch.seqs, sampled)):
+            if seq.status == Status.FINISHED:
+                self.num_discarded_tokens += batch.samples[row]  # stopped by a token one step late
+                continue
+            end = batch.end(row)
+            # blocks this step completed (none if it was preempted since: its counter went back to 0)
+            self.block_manager.register_computed_blocks(seq, min(end, seq.num_computed_tokens))
+            if not batch.samples[row]:
+                continue
+            seq.token_ids[end] = token
             p = seq.params
-            if ((not p.ignore_eos and token in eos_ids) or (p.stop_token_ids and token in p.stop_token_ids)
-                    or len(seq) - seq.num_prompt_tokens >= p.max_tokens or len(seq) >= max_model_len):
-                seq.status = Status.FINISHED
-                self.block_manager.free(seq)
-                self.running.remove(seq)
+            if ((not p.ignore_eos and token in self.eos_ids) or (p.stop_token_ids and token in p.stop_token_ids)
+                    or end + 1 - seq.num_prompt_tokens >= p.max_tokens or end + 1 >= self.max_model_len):
+                del seq.token_ids[end + 1:]  # a placeholder of the step already scheduled after this one
+                self.finish(seq)
                 finished.append(seq)
         return finished
+
+    def finish(self, seq: Sequence) -> None:
+        """Done or aborted: free its blocks, take it off whichever queue holds it."""
+        seq.status = Status.FINISHED
+        self.block_manager.free(seq)
+        for queue in (self.running, self.waiting):
+            if seq in queue:
+                queue.remove(seq)

@@ -1,9 +1,11 @@
 """One request as the engine sees it: its tokens, how far the KV cache covers them, its blocks.
 
 The central counter is `num_computed_tokens`: tokens [0, num_computed_tokens) have K/V in the
-cache. A step processes `num_scheduled_tokens` more (a prefill chunk, or 1 in decode). When the
-cache covers every token, the step's logits give the next token. Preemption (see scheduler.py)
-frees the blocks and resets the counter to 0: the tokens stay, their K/V is recomputed later.
+cache (or will have, once the steps already launched have run). A step computes more of them (a
+prefill chunk, or 1 in decode); when the cache covers every token, the step's logits give the
+next token. Until the host has that token back, `token_ids` ends with a placeholder for it, a
+negative number (see scheduler.py). Preemption frees the blocks and resets the counter to 0:
+the tokens stay, their K/V is recomputed later.
 """
 from enum import Enum, auto
 
@@ -28,7 +30,6 @@ class Sequence:
         self.status = Status.WAITING
         self.block_table: list[int] = []
         self.num_computed_tokens = 0
-        self.num_scheduled_tokens = 0
         self.num_hashed_blocks = 0   # leading blocks already registered in the prefix cache
         self.num_cached_tokens = 0   # prompt tokens found in the prefix cache at the last admission
         self.generator = None if params.seed is None else torch.Generator(device).manual_seed(params.seed)

@@ -9,15 +9,19 @@ LM head) go through torch.distributed's default group: NCCL on CUDA, gloo on the
 any "spawn" child, a worker re-imports the user's main module: scripts that start a
 tensor-parallel LLM need the usual `if __name__ == "__main__":` guard.
 
-What is sent each step, and how. Rank 0 builds the step's `StepInput` (plain lists: token ids,
-positions, slots, context lengths, block tables; model_runner.py) and broadcasts it, pickled, with
-`broadcast_object_list` over a second, gloo-only process group: the control group (on the wire:
-the pickle's length, then its bytes). That is the whole control path: one broadcast per step,
-then every rank runs `forward(step)`. Only rank 0 samples; the workers drop their logits (they
-computed them only because the LM head's all-gather needs every rank). One message per step keeps
-the ranks in lockstep by construction, and sending the inputs rather than sequences keeps the
-workers free of any scheduler state. The control messages go through gloo, not NCCL, so a worker
-waits for the next step on the host, without a GPU kernel, as long as the engine stays idle.
+What is sent each step, and how. The rank-0 runner is a `ModelRunner` whose `forward` first
+sends the step's `StepInput` to the workers, packed into one int32 tensor (a 5-int header with
+the lengths, then the lists back to back: two gloo broadcasts, no pickle) over a second,
+gloo-only process group: the control group. The workers run the same `forward` on their shard.
+Only rank 0 samples; it broadcasts the sampled ids on the device (one small NCCL broadcast),
+because the next step's placeholder tokens (step.py) are resolved on every rank from its own
+copy of them. (Sampling on every rank from the all-gathered logits would also work, but every
+rank would then need every request's seeded generator, in step.) With overlap scheduling rank 0
+sends step N+1 while the GPUs still run step N, and a worker queues it at once: nothing on
+either side waits for the GPU. One message per step keeps the ranks in lockstep by
+construction, and sending the inputs rather than sequences keeps the workers free of any
+scheduler state. The control messages go through gloo, not NCCL, so a worker waits for the
+next step on the host, without a GPU kernel, as long as the engine stays idle.
 
 Same ladder everywhere. A collective matches the calls of all ranks in order, so all ranks must
 run the same kernels: the same KV-cache size (ModelRunner takes the minimum over the ranks) and
@@ -26,7 +30,7 @@ their NCCL all-reduces inside; a rank replaying bucket 8 while another replays 1
 
 Start, shutdown, failure. The parent opens a TCPStore on a free port and waits until each worker
 has reached it (a worker that crashes while starting is reported, not waited for), then all ranks
-join the process groups. `close()` broadcasts `None` (the workers leave their loop and exit), joins
+join the process groups. `close()` sends an empty header (the workers leave their loop and exit), joins
 them, kills any that linger, and destroys the process groups, so a second LLM can start in the
 same process; it also runs at interpreter exit if the user forgot it. A worker watches its parent
 and exits if the parent dies. Before each step rank 0 checks that every worker is alive, and with
@@ -47,15 +51,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from nanograph.config import Config
-from nanograph.engine.model_runner import ModelRunner, StepInput, build_step
-from nanograph.layers.sampler import sample
+from nanograph.engine.model_runner import ModelRunner
+from nanograph.engine.step import StepInput
 
 STEP_TIMEOUT = datetime.timedelta(minutes=10)  # a collective inside a step (or start-up) waits at most this
 IDLE_TIMEOUT = datetime.timedelta(days=365)    # a worker waits this long for the next step
 
 
-def init_distributed(config: Config, rank: int, store: dist.Store):
-    """Join the default group (model collectives) and return the gloo control group."""
+def init_distributed(config: Config, rank: int, store: dist.Store) -> None:
+    """Join the default group (model collectives)."""
     cuda = torch.device(config.device).type == "cuda"
     if cuda:
         torch.cuda.set_device(rank)
@@ -63,14 +67,40 @@ def init_distributed(config: Config, rank: int, store: dist.Store):
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tensor_parallel_size))
     dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank,
                             world_size=config.tensor_parallel_size, timeout=STEP_TIMEOUT)
+
+
+def control_group():
+    """The gloo group for the per-step control messages (every rank creates it, in the same order)."""
     return dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
 
 
-def broadcast_step(step: StepInput | None, group) -> StepInput | None:
-    """Rank 0 sends `step` (None = exit); every other rank receives it."""
-    message = [step]
-    dist.broadcast_object_list(message, src=0, group=group)
-    return message[0]
+def send_step(step: StepInput | None, group) -> None:
+    """Rank 0: the step as [is_prefill, tokens, sequences, table width, len(cu_seqlens_q)] + lists;
+    an all-zero header (None) tells the workers to exit."""
+    if step is None:
+        dist.broadcast(torch.zeros(5, dtype=torch.int32), src=0, group=group)
+        return
+    width = max(map(len, step.block_tables))
+    header = [step.is_prefill, len(step.input_ids), len(step.context_lens), width, len(step.cu_seqlens_q)]
+    tables = [x for t in step.block_tables for x in t + [-1] * (width - len(t))]
+    payload = (step.input_ids + step.positions + step.slot_mapping + step.context_lens + step.cu_seqlens_q
+               + tables)
+    dist.broadcast(torch.tensor(header, dtype=torch.int32), src=0, group=group)
+    dist.broadcast(torch.tensor(payload, dtype=torch.int32), src=0, group=group)
+
+
+def receive_step(group) -> StepInput | None:
+    header = torch.empty(5, dtype=torch.int32)
+    dist.broadcast(header, src=0, group=group)
+    is_prefill, tokens, seqs, width, cu = header.tolist()
+    if tokens == 0:
+        return None
+    payload = torch.empty(3 * tokens + seqs + cu + seqs * width, dtype=torch.int32)
+    dist.broadcast(payload, src=0, group=group)
+    parts = payload.split([tokens, tokens, tokens, seqs, cu, seqs * width])
+    ids, positions, slots, context_lens, cu_seqlens_q = (p.tolist() for p in parts[:5])
+    return StepInput(bool(is_prefill), ids, positions, slots, context_lens, parts[5].view(seqs, width).tolist(),
+                     cu_seqlens_q)
 
 
 def worker_main(config: Config, rank: int, port: int) -> None:
@@ -79,10 +109,12 @@ def worker_main(config: Config, rank: int, port: int) -> None:
     threading.Thread(target=lambda: (parent.join(), os._exit(1)), daemon=True).start()  # orphaned: exit
     store = dist.TCPStore("127.0.0.1", port, config.tensor_parallel_size, is_master=False, timeout=STEP_TIMEOUT)
     store.add("workers_connected", 1)
-    group = init_distributed(config, rank, store)
+    init_distributed(config, rank, store)
     runner = ModelRunner(config, rank)
-    while (step := broadcast_step(None, group)) is not None:
+    group = control_group()
+    while (step := receive_step(group)) is not None:
         runner.forward(step)
+        runner.share_tokens(len(step.context_lens))  # receive the ids rank 0 sampled
     runner.close()  # its graphs hold references on the NCCL communicator: free them before it goes
     dist.destroy_process_group()
 
@@ -96,7 +128,7 @@ def shutdown(procs: list, group_ref: list, num_threads: int) -> None:
     everyone = group_ref[0] is not None and all(p.is_alive() for p in procs)
     if everyone:
         try:
-            broadcast_step(None, group_ref[0])
+            send_step(None, group_ref[0])
         except Exception:
             everyone = False
     if dist.is_initialized():
@@ -112,8 +144,8 @@ def shutdown(procs: list, group_ref: list, num_threads: int) -> None:
     torch.set_num_threads(num_threads)
 
 
-class TensorParallelRunner:
-    """Rank 0's side: a ModelRunner for its own shard, plus the workers it drives."""
+class TensorParallelRunner(ModelRunner):
+    """Rank 0: a ModelRunner for its own shard whose steps also go to the workers it drives."""
 
     def __init__(self, config: Config):
         n = config.tensor_parallel_size
@@ -134,23 +166,21 @@ class TensorParallelRunner:
             while store.add("workers_connected", 0) < n - 1:  # wait for the workers, watching them
                 if (dead := self.dead_worker(wait_s=0.05)):
                     raise RuntimeError(dead)
-            self.group_ref[0] = init_distributed(config, 0, store)
-            self.runner = ModelRunner(config, 0)
+            init_distributed(config, 0, store)
+            # every rank builds its runner (and runs its own warm-up forwards) before steps are sent
+            super().__init__(config, 0)
+            self.group_ref[0] = control_group()
         except BaseException as e:
             self.fail(e)
-        # what LLM reads from its runner; the stats are rank 0's (every rank replays the same buckets)
-        self.num_kv_blocks, self.backend = self.runner.num_kv_blocks, self.runner.backend
-        self.model, self.block_size = self.runner.model, self.runner.block_size
-
-    @property
-    def graphs(self):  # not a copy: close() must leave no reference to the graphs (see CudaGraphRunner.close)
-        return self.runner.graphs
 
     def dead_worker(self, wait_s: float = 0.0) -> str | None:
         """A message naming the first worker that has exited, waiting up to wait_s for one to."""
-        wait([p.sentinel for p in self.procs], timeout=wait_s)
-        return next((f"tensor-parallel worker rank {r} died (exit code {p.exitcode})"
-                     for r, p in enumerate(self.procs, 1) if p.exitcode is not None), None)
+        ready = wait([p.sentinel for p in self.procs], timeout=wait_s)
+        for rank, p in enumerate(self.procs, 1):
+            if p.sentinel in ready:  # its end of the pipe closed as it exited: the exit code follows
+                p.join(timeout=10)
+                return f"tensor-parallel worker rank {rank} died (exit code {p.exitcode})"
+        return None
 
     def fail(self, error: BaseException):
         """The ranks may be out of step now: shut everything down, name a dead worker if there is one."""
@@ -162,24 +192,24 @@ class TensorParallelRunner:
             raise RuntimeError(f"{dead}; the engine has been shut down") from error
         raise error
 
-    def run(self, seqs, is_prefill: bool) -> list[int]:
+    def launch(self, batch):
         if self.closed:
             raise RuntimeError("this LLM has been closed")
         if (dead := self.dead_worker()):
             self.fail(RuntimeError(dead))
         try:
-            logits = self.forward(build_step(seqs, is_prefill, self.block_size))
-            return sample(logits, self.runner.sampling_batch(seqs)).tolist()
+            return super().launch(batch)
         except BaseException as e:
             self.fail(e)
 
     def forward(self, step: StepInput):
-        """Every rank runs `step`: send it, then compute rank 0's share. Returns rank 0's logits."""
-        broadcast_step(step, self.group_ref[0])
-        return self.runner.forward(step)
+        """Every rank runs `step`: send it (once the workers wait for steps), then compute rank 0's share."""
+        if self.group_ref[0] is not None:
+            send_step(step, self.group_ref[0])
+        return super().forward(step)
 
     def close(self) -> None:
         self.closed = True
-        if hasattr(self, "runner"):
-            self.runner.close()
+        if getattr(self, "model", None) is not None:
+            super().close()
         self._finalizer()

@@ -1,0 +1,53 @@
+"""One step's inputs as plain data, and the one input that never leaves the device.
+
+`StepInput` is what a scheduled `Batch` (scheduler.py) becomes before it meets the device:
+plain lists of the tokens to compute, their positions and cache slots, each sequence's context
+length and block table. Plain data on purpose: the single-GPU runner, the graph buffers, the
+tensor-parallel control message (tp.py), bench and the tests all read the same thing.
+
+Token ids may be placeholders. With overlap scheduling a decode step is built before the host
+has the previous step's tokens, so a sequence's input token can be `-1 - r`: "whatever the
+previous step sampled in its row r". Those tokens are on the device already (the runner keeps
+the last step's sampled ids in `last_tokens`); `resolve_input_ids` swaps them in there, as the
+first op of the forward (inside the CUDA graph for replays), so no step waits for the host.
+"""
+from dataclasses import dataclass
+
+import torch
+
+from nanograph.engine.scheduler import Batch
+
+
+@dataclass
+class StepInput:
+    is_prefill: bool
+    input_ids: list[int]        # the tokens computed this step, all sequences concatenated (< 0: placeholder)
+    positions: list[int]
+    slot_mapping: list[int]     # cache slot of each of those tokens
+    context_lens: list[int]     # per sequence: keys to attend (cached + computed before + new)
+    block_tables: list[list[int]]
+    cu_seqlens_q: list[int]     # prefill only: per sequence offsets into input_ids (len = sequences + 1)
+
+
+def build_step(batch: Batch, block_size: int) -> StepInput:
+    seqs = batch.seqs
+    if not batch.is_prefill:  # the hot path: one token per sequence, at position start
+        pos = batch.starts
+        return StepInput(False, [seq.token_ids[p] for seq, p in zip(seqs, pos)], pos,
+                         [seq.block_table[p // block_size] * block_size + p % block_size for seq, p in zip(seqs, pos)],
+                         [p + 1 for p in pos], [seq.block_table for seq in seqs], [])
+    step = StepInput(True, [], [], [], [], [], [0])
+    for row, seq in enumerate(seqs):
+        start, end = batch.starts[row], batch.end(row)
+        step.input_ids += seq.token_ids[start:end]
+        step.positions += range(start, end)
+        step.slot_mapping += [seq.block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+        step.context_lens.append(end)
+        step.block_tables.append(seq.block_table)
+        step.cu_seqlens_q.append(len(step.input_ids))
+    return step
+
+
+def resolve_input_ids(ids: torch.Tensor, last_tokens: torch.Tensor) -> torch.Tensor:
+    """Token ids with each placeholder -1 - r replaced by last_tokens[r]."""
+    return torch.where(ids >= 0, ids, last_tokens[(-1 - ids).clamp(min=0)])
