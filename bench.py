@@ -5,34 +5,52 @@ What it measures (each section is a flag; with none, only the reference run):
 - reference run (default): the "nano-vllm workload" of DESIGN.md, 256 random prompts of 100-1024
   tokens, each asking for 100-1024 new tokens (temperature 0.6, EOS ignored): 133,966 output
   tokens in all. Throughput = output tokens / wall time of one `generate` call, after a warm-up
-  generate. Also prints the engine's own graph figures (`llm.stats()`) for that call alone.
+  generate. Also prints the engine's graph figures for that call alone (hit rate, padding
+  waste, replays per bucket: the graph runner's counters after the call minus before it).
 - `--compare`: the same workload on nanograph with CUDA graphs, nanograph eager
   (`enforce_eager=True`) and HF transformers' continuous batching, one after the other in this
-  process, each on a freshly built model that is freed before the next one is built.
-- `--ladders`: the workload once per bucket-ladder policy (pow2, nano-vllm, exp, default): graphs
-  captured, capture time, graph memory, hit rate, padding waste, throughput.
+  process, each on a freshly built model that is freed before the next one is built. HF runs
+  only the first `--hf-seqs` (32) sequences (it is ~30x slower), and its throughput grows with
+  the number of concurrent requests, so nanograph with graphs runs those same sequences too (on an
+  engine of its own: no prefix-cache hits from the full run): each ratio in the table is between
+  two runs of the same sequences.
+- `--ladders`: the workload once per bucket ladder: `default` (the engine's own rule),
+  `pow2` (1, 2, 4, ..., 512) and `nano-vllm` (1, 2, 4, 8, then every 16 up to 512), the last two
+  built here and passed as `cuda_graph_sizes`: graphs captured, capture time, graph memory, hit
+  rate, padding waste, throughput.
 - `--decode-sweep`: the time of one decode step (the model's forward, no sampling) at batch sizes
-  1..256 and a fixed context length, replayed from a graph and run eagerly, plus a batch-1 latency
-  line (ms per generated token, sampling and scheduling included) against the weight-read floor:
-  the bytes of weights one token must read, divided by the copy bandwidth measured on this device.
+  1, 2, 3, 4, 6, 8, 12, 16, 24, ... 256 (dense at the small end) and a fixed context length,
+  replayed from a graph captured for exactly that size and run eagerly, each against its floor:
+  the bytes the step must read (every weight once, and the batch's K/V at that context) / the
+  copy bandwidth measured on this device. Plus batch-1 latency (ms per generated token through
+  `generate`: scheduling and sampling included) against the weights' floor and the graph step.
+- `--overlap`: overlap scheduling (`LLM(overlap_scheduling=...)`) on and off side by side: the
+  workload's throughput, batch-1 ms per generated token next to the graph step at batch 1 of the
+  same engine, and how busy the GPU was in decode-heavy calls (union of its kernel and copy
+  intervals under torch.profiler / the span from the first to the last). The profiler slows the
+  host, so those are calls of their own after the timed ones. The reference run's engine serves
+  the mode it defaults to (on with CUDA); the other mode gets an engine of its own.
+- `--shape a,b,c`: every section once per shape, one shape after the other in this process, each
+  engine freed before the next one is built.
 
 Why the numbers are comparable:
 - Every engine gets the same prompts (token ids, so no tokenizer is involved) and the same
   per-request output lengths; EOS is disabled everywhere, so the work is fixed by the workload.
-- The model is the Qwen3-0.6B shape (or Qwen3-8B with `--shape qwen3-8b`) with random weights:
-  speed does not depend on the weights' values, and nothing has to be downloaded. Both engines
-  build the same shape from the same config.json, in the same dtype (bf16 on CUDA).
+- The model is a public shape (`--shape`: Qwen3 0.6B/1.7B/4B/8B, Llama 3.2-1B, Llama 3.1-8B, from
+  their HF config.json values) with random weights: speed does not depend on the weights' values,
+  and nothing has to be downloaded. Every engine builds the same shape from the same config.json,
+  in the same dtype (bf16 on CUDA).
 - Only the generation is timed: model building, KV-cache allocation, graph capture and a warm-up
   are outside the clock, for every engine alike (they are reported separately where they matter).
 - HF's `generate_batch` takes a single `max_new_tokens` for all requests, so bench drives its
   `ContinuousBatchingManager` directly (`init_continuous_batching`, `add_request(...,
   max_new_tokens=n)`, `get_result`), which is what `generate_batch` does underneath, with each
-  request's own length. By default HF runs only the first `--hf-seqs` (32) sequences (it is ~30x
-  slower); its tokens/s on that subset is the figure to compare, and the table says so.
+  request's own length.
 
-`--quick --device cpu` runs every section on a tiny Qwen3 shape and workload in float32, for CI
-(graph-only parts are skipped on the CPU, with a note). `--json PATH` writes every figure,
-`--plot PATH` draws decode latency vs batch size and the throughput bars (needs matplotlib).
+`--quick --device cpu` runs every section on a tiny model of each shape's family (Qwen3 or Llama 3)
+and a tiny workload in float32, for CI (graph-only and profiled parts are skipped on the CPU, with
+a note). `--json PATH` writes every figure, `--plot PATH` draws decode latency vs batch size and
+the throughput bars (needs matplotlib).
 """
 import argparse
 import gc
@@ -41,9 +59,9 @@ import json
 import os
 import platform
 import random
-import statistics
 import tempfile
 import time
+from collections import Counter
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
@@ -51,20 +69,49 @@ import torch
 
 REFERENCE_OUTPUT_TOKENS = 133_966
 
-# Model shapes built from a config.json alone (load_format="dummy"): no download needed.
-_QWEN3_COMMON = dict(vocab_size=151936, head_dim=128, num_key_value_heads=8, rope_theta=1_000_000.0,
-                     max_position_embeddings=40960, rms_norm_eps=1e-6, eos_token_id=151645, bos_token_id=151643)
+
+# Model shapes built from a config.json alone (load_format="dummy"): no download needed. The values
+# are those of the public HF configs.
+def llama3_rope(factor: float) -> dict:
+    return dict(rope_type="llama3", factor=factor, low_freq_factor=1.0, high_freq_factor=4.0,
+                original_max_position_embeddings=8192)
+
+
+_QWEN3 = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=151936, head_dim=128,
+              num_key_value_heads=8, rope_theta=1_000_000.0, max_position_embeddings=40960, rms_norm_eps=1e-6,
+              eos_token_id=151645, bos_token_id=151643)
+_LLAMA3 = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=128256, num_key_value_heads=8,
+               rope_theta=500_000.0, max_position_embeddings=131072, rms_norm_eps=1e-5, eos_token_id=128001,
+               bos_token_id=128000)
 SHAPES = {
-    "qwen3-0.6b": dict(_QWEN3_COMMON, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+    "qwen3-0.6b": dict(_QWEN3, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                        num_attention_heads=16, tie_word_embeddings=True),
-    "qwen3-8b": dict(_QWEN3_COMMON, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+    "qwen3-1.7b": dict(_QWEN3, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                       num_attention_heads=16, tie_word_embeddings=True),
+    "qwen3-4b": dict(_QWEN3, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                     num_attention_heads=32, tie_word_embeddings=True),
+    "qwen3-8b": dict(_QWEN3, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                      num_attention_heads=32, tie_word_embeddings=False),
+    "llama3.2-1b": dict(_LLAMA3, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                        num_attention_heads=32, head_dim=64, tie_word_embeddings=True, rope_scaling=llama3_rope(32.0)),
+    "llama3.1-8b": dict(_LLAMA3, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                        num_attention_heads=32, head_dim=128, tie_word_embeddings=False, rope_scaling=llama3_rope(8.0)),
     # --quick: small enough that the whole bench runs in seconds on two CPU cores
-    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=16, rope_theta=1_000_000.0, max_position_embeddings=4096,
-                 rms_norm_eps=1e-6, eos_token_id=1, bos_token_id=0, tie_word_embeddings=True),
+    "tiny": dict(_QWEN3, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+                 eos_token_id=1, bos_token_id=0, tie_word_embeddings=True),
+    "tiny-llama": dict(_LLAMA3, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=16384,
+                       eos_token_id=1, bos_token_id=0, tie_word_embeddings=True, rope_scaling=llama3_rope(32.0)),
 }
-LADDER_POLICIES = ("pow2", "nano-vllm", "exp", "default")
+BENCH_SHAPES = [name for name in SHAPES if not name.startswith("tiny")]
+LADDER_POLICIES = ("default", "pow2", "nano-vllm")
+LADDER_MAX_BS = 512  # the engine's largest graph batch here: min(max_num_seqs = 512, 512)
+
+
+def quick_shape(shape: str) -> str:
+    """The tiny model of a shape's family, for --quick."""
+    return "tiny-llama" if SHAPES[shape]["model_type"] == "llama" else "tiny"
 
 
 # ---- workload ----------------------------------------------------------------------------------
@@ -124,6 +171,21 @@ def warmup_workload(quick: bool, max_token_id: int) -> Workload:
     return make_workload(16, 100, 1024, 32, 32, max_token_id, seed=1)
 
 
+def ladder_sizes(policy: str, max_bs: int) -> list[int] | None:
+    """The `cuda_graph_sizes` of a --ladders policy; None: the engine's own rule
+    (nanograph.engine.cuda_graph.bucket_ladder). Every ladder ends at max_bs."""
+    if policy == "pow2":
+        return sorted({1 << i for i in range(max_bs.bit_length())} | {max_bs})
+    if policy == "nano-vllm":
+        return sorted({s for s in (1, 2, 4, 8) if s < max_bs} | set(range(16, max_bs, 16)) | {max_bs})
+    return None
+
+
+def sweep_sizes(max_bs: int) -> list[int]:
+    """1, 2, 3, 4, 6, 8, 12, 16, ...: the powers of two and the sizes halfway between them."""
+    return sorted(s for i in range(max_bs.bit_length()) for s in (1 << i, 3 << i) if s <= max_bs)
+
+
 # ---- results and tables --------------------------------------------------------------------------
 @dataclass
 class RunResult:
@@ -134,6 +196,8 @@ class RunResult:
     note: str = ""
     error: str | None = None
     stats: dict = field(default_factory=dict)
+    probe: dict = field(default_factory=dict)     # --overlap: batch-1 and GPU-busy figures of the same engine
+    vs_nanograph: float | None = None             # --compare: tok/s over nanograph's (graphs) on the same sequences
 
     @property
     def tokens_per_s(self) -> float:
@@ -157,6 +221,19 @@ def print_table(title: str, headers: list[str], rows: list[list]) -> None:
 
 def mib(n: float) -> str:
     return f"{n / 2**20:.1f}"
+
+
+def cell(value, spec: str = ".3f", suffix: str = "") -> str:
+    """A table cell: the value formatted, or '-' where there is none."""
+    return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
+def ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1e3
+
+
+def on_off(flag: bool) -> str:
+    return "on" if flag else "off"
 
 
 # ---- device helpers ----------------------------------------------------------------------------
@@ -200,27 +277,62 @@ def weight_read_bytes(model: torch.nn.Module, tied: bool) -> int:
     """Bytes of weights one decode token reads: every parameter once (a tied embedding is read
     once, by the LM head); an untied input embedding only contributes the one row looked up."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())  # shared tensors counted once
-    if not tied:
-        emb = model.get_input_embeddings().weight if hasattr(model, "get_input_embeddings") else None
-        emb = emb if emb is not None else dict(model.named_parameters()).get("model.embed_tokens.weight")
-        if emb is not None:
-            total -= emb.numel() * emb.element_size() - emb.shape[-1] * emb.element_size()
+    emb = dict(model.named_parameters()).get("model.embed_tokens.weight")
+    if not tied and emb is not None:
+        total -= (emb.shape[0] - 1) * emb.shape[-1] * emb.element_size()
     return total
+
+
+def kv_read_bytes_per_token(llm, tp: int) -> int:
+    """Bytes of K and V one decode step reads per token of context, on one rank."""
+    cfg = llm.config.hf_config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv_heads = max(1, cfg.num_key_value_heads // tp)
+    return 2 * cfg.num_hidden_layers * kv_heads * head_dim * llm.config.torch_dtype.itemsize
+
+
+def busy_share(spans: list[tuple[float, float]]) -> float | None:
+    """The union of the intervals' lengths / the span from the first start to the last end."""
+    if not spans:
+        return None
+    spans = sorted(spans)
+    busy, reach = 0.0, spans[0][0]
+    for start, end in spans:
+        busy += max(0.0, end - max(start, reach))
+        reach = max(reach, end)
+    return busy / (reach - spans[0][0]) if reach > spans[0][0] else None
+
+
+def gpu_busy_share(llm, prompts: list[list[int]], new_tokens: int) -> float | None:
+    """Share of a generate call's GPU span during which a kernel or a copy ran (torch.profiler)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from nanograph import SamplingParams
+    params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=new_tokens)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        llm.generate(prompts, params, use_tqdm=False)
+        torch.cuda.synchronize()
+    return busy_share([(e.time_range.start, e.time_range.end) for e in prof.events()
+                       if e.device_type == DeviceType.CUDA])
 
 
 # ---- the model directory -----------------------------------------------------------------------
 def write_model_dir(shape: str, root: str) -> str:
-    from transformers import Qwen3Config
+    """config.json of a shape, with its model_type and architectures, as HF would write it."""
+    from transformers import AutoConfig
+    config = dict(SHAPES[shape])
     path = os.path.join(root, shape)
-    Qwen3Config(**SHAPES[shape]).save_pretrained(path)
+    AutoConfig.for_model(config.pop("model_type"), **config).save_pretrained(path)
     return path
 
 
 # ---- nanograph ---------------------------------------------------------------------------------
 @dataclass
 class Setup:
-    """Everything the sections share: where the model is, how to build engines, the workload."""
+    """Everything the sections share for one shape: where the model is, how to build engines, the workload."""
     args: argparse.Namespace
+    name: str
     model_dir: str
     load_format: str
     device: str
@@ -247,37 +359,35 @@ def report_leftover_memory(what: str) -> None:
         print(f"  (warning: {mib(torch.cuda.memory_allocated())} MiB still allocated after freeing {what})")
 
 
+CALL_COUNTERS = ("prefix_cache_hit_tokens", "preemptions", "overlap_discarded_tokens")
+
+
+def graph_counters(stats) -> dict:
+    """The cumulative counters of a GraphStats (nanograph/engine/cuda_graph.py)."""
+    return {"replays": Counter(stats.replays), "eager_steps": stats.eager_steps, "real_rows": stats.real_rows}
+
+
 def counters(llm) -> dict:
-    """The engine's raw cumulative counters, so the stats of one generate call can be isolated
-    from the warm-up's. Empty where the runner does not expose them (the numbers are then the
-    cumulative ones from llm.stats(), warm-up included)."""
-    graphs = getattr(llm.runner, "graphs", None)
-    out = {}
-    if graphs is not None and hasattr(graphs, "real_rows"):
-        out.update(replays=dict(graphs.replays), eager=graphs.eager_decode_steps, real=graphs.real_rows,
-                   padded=graphs.padded_rows)
+    """The engine's cumulative counters, to take their difference around one call."""
+    stats = llm.stats()
+    out = {key: stats[key] for key in CALL_COUNTERS if key in stats}
+    if llm.runner.graphs is not None:
+        out.update(graph_counters(llm.runner.graphs.stats))
     return out
 
 
-def run_stats(llm, before: dict) -> dict:
-    """llm.stats(), with the per-call counters of the timed call only."""
-    stats = llm.stats()
-    after = counters(llm)
-    if "replays" in before and after:
-        replays = {b: n - before["replays"].get(b, 0) for b, n in after["replays"].items()}
-        replays = {b: n for b, n in sorted(replays.items()) if n}
+def call_figures(before: dict, after: dict) -> dict:
+    """The figures of one call alone, from the counters before and after it."""
+    out = {key: after[key] - before[key] for key in CALL_COUNTERS if key in after}
+    if "replays" in after:
+        replays = after["replays"] - before["replays"]  # Counter subtraction drops the buckets not replayed
         replayed = sum(replays.values())
-        steps = replayed + after["eager"] - before["eager"]
-        real, padded = after["real"] - before["real"], after["padded"] - before["padded"]
-        stats.update(decode_steps=steps, graph_replays=replayed, replays_per_bucket=replays,
-                     graph_hit_rate=replayed / steps if steps else 0.0,
-                     padding_waste=padded / real if real else 0.0)
-    elif getattr(llm.runner, "graphs", None) is not None:
-        stats["note"] = "graph figures are cumulative, warm-up included"
-    for key in ("prefix_cache_hit_tokens", "preemptions"):
-        if key in stats and key in before:
-            stats[key] -= before[key]
-    return stats
+        steps = replayed + after["eager_steps"] - before["eager_steps"]
+        real = after["real_rows"] - before["real_rows"]
+        padded = sum(bucket * n for bucket, n in replays.items()) - real
+        out.update(decode_steps=steps, graph_replays=replayed, replays_per_bucket=dict(sorted(replays.items())),
+                   graph_hit_rate=replayed / steps if steps else 0.0, padding_waste=padded / real if real else 0.0)
+    return out
 
 
 def time_generate(llm, workload: Workload, device: str) -> tuple[int, float]:
@@ -294,18 +404,38 @@ def measure_generate(llm, setup: Setup, workload: Workload) -> tuple[int, float,
     """Warm up, then time one generate of the workload: (output tokens, seconds, its stats)."""
     llm.generate(setup.warmup.prompts, setup.warmup.sampling_params(), use_tqdm=False)
     before = counters(llm)
-    before.update({k: v for k, v in llm.stats().items() if k in ("prefix_cache_hit_tokens", "preemptions")})
     tokens, seconds = time_generate(llm, workload, setup.device)
-    return tokens, seconds, run_stats(llm, before)
+    stats = dict(llm.stats(), overlap_scheduling=llm.config.overlap_scheduling)
+    stats.update(call_figures(before, counters(llm)))
+    return tokens, seconds, stats
 
 
-def run_nanograph(setup: Setup, label: str, workload: Workload, **overrides) -> RunResult:
+def overlap_probe(llm, setup: Setup) -> dict:
+    """After the timed call, on the same engine: batch-1 ms per generated token, the graph step
+    at batch 1, and (CUDA) the GPU's busy share in two decode-heavy profiled calls: one sequence,
+    and the workload's sequences with their prompts cut to 16 tokens (one prefill step)."""
+    args, runner = setup.args, llm.runner
+    prompt_len, new_tokens = args.latency_lengths
+    probe = {"ms_per_token": ms(per_token_latency(llm, setup, prompt_len, new_tokens, seed=2))}
+    if is_cuda(setup.device):
+        prompt = [random.Random(4).randint(0, setup.max_token_id) for _ in range(prompt_len)]
+        probe["gpu_busy_batch1"] = gpu_busy_share(llm, [prompt], new_tokens)
+        probe["gpu_busy_workload"] = gpu_busy_share(llm, [p[:16] for p in setup.workload.prompts], new_tokens // 2)
+    if runner.graphs is not None and runner.graphs.can_run(1):  # last: it writes K/V into blocks it does not own
+        step = decode_step(1, args.sweep_context_len, runner.block_size)
+        probe["graph_step_ms"] = ms(time_forward(runner, step, setup.device, args.sweep_iters))
+        probe["token_vs_step"] = probe["ms_per_token"] / probe["graph_step_ms"] if probe["ms_per_token"] else None
+    return probe
+
+
+def run_nanograph(setup: Setup, label: str, workload: Workload, probe: bool = False, **overrides) -> RunResult:
     """Build an engine, measure, free the engine (it lives only in this frame, so that its device
     memory is back before the next engine sizes its KV cache)."""
     print(f"  [{label}] building the engine, warming up, timing {workload.num_seqs} sequences ...", flush=True)
     llm = setup.llm(**overrides)
     try:
         tokens, seconds, stats = measure_generate(llm, setup, workload)
+        probed = overlap_probe(llm, setup) if probe else {}
     finally:
         llm.close()
         del llm
@@ -313,26 +443,26 @@ def run_nanograph(setup: Setup, label: str, workload: Workload, **overrides) -> 
     note = ""
     if tokens != workload.output_tokens:
         note = f"expected {workload.output_tokens} output tokens"
-    return RunResult(label, workload.num_seqs, tokens, seconds, note, stats=stats)
+    return RunResult(label, workload.num_seqs, tokens, seconds, note, stats=stats, probe=probed)
 
 
 def print_run(result: RunResult, workload: Workload) -> None:
     s = result.stats
     print(f"\n{result.engine}: {workload.num_seqs} sequences, {workload.prompt_tokens:,} prompt tokens")
     print(f"  output tokens {result.output_tokens:,} (requested {workload.output_tokens:,})"
-          f"   time {result.seconds:.2f} s   throughput {result.tokens_per_s:,.0f} tok/s")
+          f"   time {result.seconds:.2f} s   throughput {result.tokens_per_s:,.0f} tok/s"
+          f"   overlap scheduling {on_off(s.get('overlap_scheduling'))}")
     if "graph_hit_rate" in s:
         print(f"  graphs {s.get('num_graphs', 0)} {s.get('cuda_graph_sizes', [])}")
-        print(f"  capture {s.get('capture_seconds', 0):.2f} s   graph memory {mib(s.get('graph_memory_bytes', 0))} MiB"
-              f"   decode steps {s.get('decode_steps', 0)}   hit rate {s['graph_hit_rate']:.1%}"
-              f"   padding waste {s.get('padding_waste', 0):.1%}")
-        print(f"  replays per bucket {s.get('replays_per_bucket', {})}")
+        print(f"  capture {s.get('capture_seconds', 0):.2f} s   graph memory {mib(s.get('graph_memory_bytes', 0))} MiB")
+        print(f"  this call: decode steps {s['decode_steps']}   hit rate {s['graph_hit_rate']:.1%}"
+              f"   padding waste {s['padding_waste']:.1%}   replays per bucket {s['replays_per_bucket']}")
     else:
         print("  no CUDA graphs on this device")
+    discarded = f"   overlap discarded tokens {s['overlap_discarded_tokens']}" if "overlap_discarded_tokens" in s else ""
     print(f"  KV blocks {s.get('num_kvcache_blocks')}   preemptions {s.get('preemptions')}"
-          f"   prefix-cache hit tokens {s.get('prefix_cache_hit_tokens')}   attention {s.get('attention_backend')}")
-    if s.get("note"):
-        print(f"  ({s['note']})")
+          f"   prefix-cache hit tokens {s.get('prefix_cache_hit_tokens')}{discarded}"
+          f"   attention {s.get('attention_backend')}")
 
 
 # ---- HF transformers continuous batching -------------------------------------------------------
@@ -454,32 +584,69 @@ def run_hf(setup: Setup, workload: Workload) -> RunResult:
 # ---- sections ----------------------------------------------------------------------------------
 def section_run(setup: Setup) -> RunResult:
     label = "nanograph (CUDA graphs)" if is_cuda(setup.device) else "nanograph (CPU, no graphs)"
-    result = run_nanograph(setup, label, setup.workload)
+    result = run_nanograph(setup, label, setup.workload, probe=setup.args.overlap)
     print_run(result, setup.workload)
     return result
 
 
+def same_set_ratios(rows: list[RunResult]) -> list[float | None]:
+    """Each row's tok/s over that of the first row that ran the same number of (leading)
+    sequences: nanograph's with graphs, which comes first in each set."""
+    base = {}
+    for r in rows:
+        base.setdefault(r.num_seqs, r.tokens_per_s)
+    return [r.tokens_per_s / base[r.num_seqs] if base[r.num_seqs] and not r.error else None for r in rows]
+
+
 def section_compare(setup: Setup, graphs: RunResult) -> list[RunResult]:
-    eager = run_nanograph(setup, "nanograph (eager)", setup.workload, enforce_eager=True)
-    hf = run_hf(setup, setup.workload)
-    rows = [graphs, eager, hf]
-    base = graphs.tokens_per_s
-    print_table("Throughput, same workload (tok/s = output tokens / generate wall time)",
+    rows = [graphs, run_nanograph(setup, "nanograph (eager)", setup.workload, enforce_eager=True)]
+    subset = setup.workload.head(setup.args.hf_seqs)
+    if 0 < subset.num_seqs < setup.workload.num_seqs:  # HF's sequences, on nanograph too
+        rows.append(run_nanograph(setup, f"{graphs.engine}, first {subset.num_seqs} sequences", subset))
+    rows.append(run_hf(setup, setup.workload))
+    for r, ratio in zip(rows, same_set_ratios(rows)):
+        r.vs_nanograph = ratio
+    print_table("Throughput (tok/s = output tokens / generate wall time); each ratio is against nanograph with "
+                "graphs on the same sequences",
                 ["engine", "seqs", "output tokens", "seconds", "tok/s", "vs nanograph", "note"],
                 [[r.engine, r.num_seqs, f"{r.output_tokens:,}", f"{r.seconds:.2f}",
-                  f"{r.tokens_per_s:,.0f}" if not r.error else "-",
-                  f"{r.tokens_per_s / base:.3f}x" if base and not r.error else "-",
+                  f"{r.tokens_per_s:,.0f}" if not r.error else "-", cell(r.vs_nanograph, ".3f", "x"),
                   f"ERROR {r.error}" if r.error else r.note] for r in rows])
+    return rows
+
+
+def section_overlap(setup: Setup, run: RunResult) -> list[RunResult]:
+    """Overlap scheduling on and off: `run` is one of the two, the other mode gets an engine here."""
+    other = not run.stats["overlap_scheduling"]
+    rows = [run, run_nanograph(setup, f"nanograph, overlap {on_off(other)}", setup.workload, probe=True,
+                               overlap_scheduling=other)]
+    rows.sort(key=lambda r: not r.stats["overlap_scheduling"])  # on first
+    (prompt_len, new_tokens), n = setup.args.latency_lengths, setup.workload.num_seqs
+    print_table("Overlap scheduling, same workload; batch 1: ms per generated token through generate, and the graph "
+                "step alone",
+                ["overlap", "tok/s", "batch-1 ms/token", "graph step b1 ms", "ms/token / step", "GPU busy, 1 seq",
+                 f"GPU busy, {n} seqs", "discarded tokens"],
+                [[on_off(r.stats["overlap_scheduling"]), f"{r.tokens_per_s:,.0f}", cell(r.probe["ms_per_token"]),
+                  cell(r.probe.get("graph_step_ms")), cell(r.probe.get("token_vs_step"), ".2f", "x"),
+                  cell(r.probe.get("gpu_busy_batch1"), ".1%"), cell(r.probe.get("gpu_busy_workload"), ".1%"),
+                  r.stats.get("overlap_discarded_tokens", "-")] for r in rows])
+    if is_cuda(setup.device):
+        print(f"  GPU busy: union of kernel and copy intervals / span from the first to the last, under torch.profiler,"
+              f" in calls after the timed ones (the profiler slows the host): 1 sequence (prompt {prompt_len}, "
+              f"{new_tokens} new tokens), and the workload's {n} with prompts cut to 16 tokens, {new_tokens // 2} new")
+    else:
+        print("  (CPU: no graph step and no GPU to profile: busy shares skipped)")
     return rows
 
 
 def section_ladders(setup: Setup) -> list[RunResult]:
     rows = []
     for policy in LADDER_POLICIES:
-        print(f"  ladder policy {policy} ...", flush=True)
-        rows.append(run_nanograph(setup, policy, setup.workload, cuda_graph_policy=policy))
-    print_table("Bucket ladders, same workload",
-                ["policy", "graphs", "capture s", "graph MiB", "hit rate", "padding", "tok/s", "sizes"],
+        print(f"  ladder {policy} ...", flush=True)
+        rows.append(run_nanograph(setup, policy, setup.workload,
+                                  cuda_graph_sizes=ladder_sizes(policy, LADDER_MAX_BS)))
+    print_table("Bucket ladders, same workload (graph figures of the timed call)",
+                ["ladder", "graphs", "capture s", "graph MiB", "hit rate", "padding", "tok/s", "sizes"],
                 [[r.engine, r.stats.get("num_graphs"), f"{r.stats.get('capture_seconds', 0):.2f}",
                   mib(r.stats.get("graph_memory_bytes", 0)), f"{r.stats.get('graph_hit_rate', 0):.1%}",
                   f"{r.stats.get('padding_waste', 0):.1%}", f"{r.tokens_per_s:,.0f}",
@@ -496,7 +663,7 @@ def decode_step(batch: int, context_len: int, block_size: int):
     pos = context_len - 1
     return StepInput(is_prefill=False, input_ids=[1] * batch, positions=[pos] * batch,
                      slot_mapping=[t[pos // block_size] * block_size + pos % block_size for t in tables],
-                     context_lens=[context_len] * batch, block_tables=tables, cu_seqlens_q=list(range(batch + 1)))
+                     context_lens=[context_len] * batch, block_tables=tables, cu_seqlens_q=[])
 
 
 @contextmanager
@@ -535,13 +702,9 @@ def per_token_latency(llm, setup: Setup, prompt_len: int, new_tokens: int, seed:
     return (many - one) / (new_tokens - 1) if many > one else None
 
 
-def sweep_sizes(max_bs: int) -> list[int]:
-    return [1 << i for i in range(max_bs.bit_length())]
-
-
 def sweep_engine(setup: Setup):
-    """One engine for the whole sweep: graphs for every sweep size, and a KV cache just big
-    enough for the largest batch at the sweep's context length."""
+    """One engine for the whole sweep: a graph for exactly each sweep size, and a KV cache just
+    big enough for the largest batch at the sweep's context length."""
     sizes = sweep_sizes(setup.args.sweep_max_bs)
     block_size = 256  # the engine's default kvcache_block_size
     blocks = sizes[-1] * -(-setup.args.sweep_context_len // block_size)
@@ -552,9 +715,12 @@ def sweep_engine(setup: Setup):
 def measure_decode_sweep(llm, setup: Setup) -> dict:
     args, runner = setup.args, llm.runner
     ctx = args.sweep_context_len
-    rows = []
+    weights = weight_read_bytes(runner.model, bool(getattr(llm.config.hf_config, "tie_word_embeddings", False)))
+    kv_per_token = kv_read_bytes_per_token(llm, args.tp)
+    bandwidth = measure_copy_bandwidth(setup.device, args.bandwidth_mib * 2**20)
     # With tensor parallelism only rank 0 would drop its graphs: time the graphs alone.
     time_eager = args.tp == 1 or runner.graphs is None
+    rows = []
     for bs in sweep_sizes(args.sweep_max_bs):
         step = decode_step(bs, ctx, runner.block_size)
         graph_s = eager_s = None
@@ -563,15 +729,13 @@ def measure_decode_sweep(llm, setup: Setup) -> dict:
         if time_eager:
             with eager(runner):
                 eager_s = time_forward(runner, step, setup.device, args.sweep_iters)
-        rows.append({"batch": bs, "graph_ms": graph_s * 1e3 if graph_s else None,
-                     "eager_ms": eager_s * 1e3 if eager_s else None,
-                     "speedup": eager_s / graph_s if graph_s and eager_s else None})
+        floor_s = (weights + bs * ctx * kv_per_token) / bandwidth
+        rows.append({"batch": bs, "graph_ms": ms(graph_s), "eager_ms": ms(eager_s), "floor_ms": ms(floor_s),
+                     "speedup": eager_s / graph_s if graph_s and eager_s else None,
+                     "graph_vs_floor": graph_s / floor_s if graph_s else None})
 
     # batch 1: the whole per-token loop (schedule, forward, sample) against the weight-read floor
-    tied = bool(getattr(llm.config.hf_config, "tie_word_embeddings", False))
-    weights = weight_read_bytes(runner.model, tied)
-    bandwidth = measure_copy_bandwidth(setup.device, args.bandwidth_mib * 2**20)
-    prompt_len, new_tokens = (8, 16) if args.quick else (128, 128)
+    prompt_len, new_tokens = args.latency_lengths
     latency = {}
     if runner.graphs is not None and runner.graphs.can_run(1):
         latency["graphs"] = per_token_latency(llm, setup, prompt_len, new_tokens, seed=2)
@@ -579,38 +743,41 @@ def measure_decode_sweep(llm, setup: Setup) -> dict:
         with eager(runner):
             latency["eager"] = per_token_latency(llm, setup, prompt_len, new_tokens, seed=3)
     batch1 = {"prompt_len": prompt_len, "new_tokens": new_tokens, "weight_bytes": weights,
-              "copy_bandwidth_Bps": bandwidth, "floor_ms_per_token": weights / bandwidth * 1e3,
-              **{f"{k}_ms_per_token": v * 1e3 if v else None for k, v in latency.items()}}
+              "kv_bytes_per_token": kv_per_token, "copy_bandwidth_Bps": bandwidth,
+              "floor_ms_per_token": weights / bandwidth * 1e3,
+              **{f"{k}_ms_per_token": ms(v) for k, v in latency.items()}}
     return {"context_len": ctx, "iters": args.sweep_iters, "rows": rows, "batch1": batch1}
 
 
 def print_decode_sweep(sweep: dict, cuda: bool) -> None:
     if not cuda:
         print("\n(CPU: no CUDA graphs, the decode sweep times the eager path only)")
-    print_table(f"One decode step (forward, no sampling), context {sweep['context_len']}, {sweep['iters']} iterations",
-                ["batch", "graph ms", "eager ms", "speed-up", "graph tok/s"],
-                [[r["batch"], f"{r['graph_ms']:.3f}" if r["graph_ms"] else "-",
-                  f"{r['eager_ms']:.3f}" if r["eager_ms"] else "-",
-                  f"{r['speedup']:.2f}x" if r["speedup"] else "-",
-                  f"{r['batch'] / r['graph_ms'] * 1e3:,.0f}" if r["graph_ms"] else "-"] for r in sweep["rows"]])
     b = sweep["batch1"]
-    floor = b["floor_ms_per_token"]
+    print_table(f"One decode step (forward, no sampling), context {sweep['context_len']}, {sweep['iters']} iterations; "
+                f"floor = (weights + the batch's K/V) / {b['copy_bandwidth_Bps'] / 1e9:,.1f} GB/s",
+                ["batch", "graph ms", "eager ms", "speed-up", "floor ms", "graph/floor", "graph tok/s"],
+                [[r["batch"], cell(r["graph_ms"]), cell(r["eager_ms"]), cell(r["speedup"], ".2f", "x"),
+                  cell(r["floor_ms"]), cell(r["graph_vs_floor"], ".2f", "x"),
+                  cell(r["batch"] / r["graph_ms"] * 1e3 if r["graph_ms"] else None, ",.0f")] for r in sweep["rows"]])
+    floor, step1 = b["floor_ms_per_token"], sweep["rows"][0]["graph_ms"]
     print(f"\nBatch-1 latency (generate: schedule + forward + sample), prompt {b['prompt_len']}, "
           f"{b['new_tokens']} new tokens:")
     for name in ("graphs", "eager"):
         if f"{name}_ms_per_token" not in b:
             continue
-        ms = b[f"{name}_ms_per_token"]
-        if ms is None:
+        value = b[f"{name}_ms_per_token"]
+        if value is None:
             print(f"  {name:<7} too noisy to measure")
         else:
-            print(f"  {name:<7} {ms:8.3f} ms/token  {1e3 / ms:10,.1f} tok/s  ({ms / floor:.2f}x the floor)")
+            vs_step = f", {value / step1:.2f}x the graph step" if step1 and name == "graphs" else ""
+            print(f"  {name:<7} {value:8.3f} ms/token  {1e3 / value:10,.1f} tok/s  ({value / floor:.2f}x the floor{vs_step})")
     print(f"  floor   {floor:8.3f} ms/token  {1e3 / floor:10,.1f} tok/s  = {b['weight_bytes'] / 2**20:,.1f} MiB "
           f"of weights / {b['copy_bandwidth_Bps'] / 1e9:,.1f} GB/s measured copy bandwidth")
 
 
 def section_decode_sweep(setup: Setup) -> dict:
-    print(f"  [decode sweep] batch 1..{setup.args.sweep_max_bs}, context {setup.args.sweep_context_len} ...", flush=True)
+    sizes = sweep_sizes(setup.args.sweep_max_bs)
+    print(f"  [decode sweep] batches {sizes}, context {setup.args.sweep_context_len} ...", flush=True)
     llm = sweep_engine(setup)
     try:
         sweep = measure_decode_sweep(llm, setup)
@@ -623,6 +790,18 @@ def section_decode_sweep(setup: Setup) -> dict:
 
 
 # ---- plot --------------------------------------------------------------------------------------
+def throughput_bars(shapes: dict) -> list[tuple[str, float]]:
+    bars = []
+    for name, report in shapes.items():
+        prefix = f"{name}: " if len(shapes) > 1 else ""
+        rows = list(report.get("compare", {}).get("rows") or ([report["run"]] if "run" in report else []))
+        rows += [r for r in report.get("overlap", {}).get("rows", []) if r["engine"] != report["run"]["engine"]]
+        rows += [dict(r, engine=f"ladder {r['engine']}") for r in report.get("ladders", {}).get("rows", [])]
+        bars += [(prefix + r["engine"].split(" [")[0].replace(" (continuous batching)", "")
+                  + (f" ({r['note']})" if r["note"] else ""), r["tokens_per_s"]) for r in rows]
+    return bars
+
+
 def write_plot(path: str, report: dict) -> None:
     try:
         import matplotlib
@@ -632,29 +811,27 @@ def write_plot(path: str, report: dict) -> None:
         print("\n(--plot skipped: matplotlib is not installed; pip install matplotlib)")
         return
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
-    sweep = report.get("decode_sweep", {})
-    if sweep.get("rows"):
-        rows = sweep["rows"]
-        batch = [r["batch"] for r in rows]
-        graph = [(r["batch"], r["graph_ms"]) for r in rows if r["graph_ms"]]
-        if graph:
-            left.plot(*zip(*graph), "o-", label="CUDA graph")
-        left.plot(batch, [r["eager_ms"] or float("nan") for r in rows], "s-", label="eager")
+    shapes = report["shapes"]
+    sweeps = {name: r["decode_sweep"] for name, r in shapes.items() if r.get("decode_sweep", {}).get("rows")}
+    for name, sweep in sweeps.items():
+        prefix = f"{name}, " if len(shapes) > 1 else ""
+        for key, style, what in (("graph_ms", "o-", "CUDA graph"), ("eager_ms", "s--", "eager")):
+            points = [(r["batch"], r[key]) for r in sweep["rows"] if r[key]]
+            if points:
+                left.plot(*zip(*points), style, label=prefix + what)
+    if sweeps:
+        batches = sorted({r["batch"] for sweep in sweeps.values() for r in sweep["rows"]})
         left.set_xscale("log", base=2)
-        left.set_xticks(batch, [str(b) for b in batch])
+        left.set_xticks(batches, [str(b) for b in batches], fontsize=7)
         left.set_xlabel("batch size")
         left.set_ylabel("ms per decode step")
-        left.set_title(f"Decode step latency, context {sweep['context_len']}")
-        left.legend()
+        left.set_title(f"Decode step latency, context {next(iter(sweeps.values()))['context_len']}")
+        left.legend(fontsize=7)
         left.grid(True, alpha=0.3)
     else:
         left.text(0.5, 0.5, "decode sweep not run", ha="center", va="center")
         left.set_axis_off()
-    bars = []
-    for row in report.get("compare", {}).get("rows", []) or ([report["run"]] if "run" in report else []):
-        bars.append((row["engine"].split(" [")[0].replace(" (continuous batching)", ""), row["tokens_per_s"]))
-    for row in report.get("ladders", {}).get("rows", []):
-        bars.append((f"ladder {row['engine']}", row["tokens_per_s"]))
+    bars = throughput_bars(shapes)
     if bars:
         names, values = zip(*bars)
         right.barh(range(len(values)), values)
@@ -668,18 +845,27 @@ def write_plot(path: str, report: dict) -> None:
     else:
         right.text(0.5, 0.5, "no throughput run", ha="center", va="center")
         right.set_axis_off()
-    fig.suptitle(f"nanograph bench: {report['meta']['model']} on {report['meta']['device_name']}")
+    fig.suptitle(f"nanograph bench: {', '.join(shapes)} on {report['meta']['device_name']}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"\nplot written to {path}")
 
 
 # ---- main --------------------------------------------------------------------------------------
+def shape_list(text: str) -> list[str]:
+    names = text.split(",")
+    unknown = [name for name in names if name not in BENCH_SHAPES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown shape(s) {', '.join(unknown)} (known: {', '.join(BENCH_SHAPES)})")
+    return names
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", choices=["qwen3-0.6b", "qwen3-8b"], default="qwen3-0.6b",
-                   help="model shape with random weights (default qwen3-0.6b)")
+    p.add_argument("--shape", type=shape_list, default=["qwen3-0.6b"],
+                   help=f"model shape(s) with random weights, comma-separated, each running every section in turn "
+                        f"({', '.join(BENCH_SHAPES)}; default qwen3-0.6b)")
     p.add_argument("--model", help="a real checkpoint (local dir or hub id) instead of --shape")
     p.add_argument("--device", help="cuda or cpu (default: cuda if available)")
     p.add_argument("--dtype", help="default bfloat16 (float32 with --quick)")
@@ -689,9 +875,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="tiny model and workload (CI); every section runs, tiny")
     p.add_argument("--compare", action="store_true", help="nanograph graphs vs eager vs HF transformers")
     p.add_argument("--run", action="store_true", help="the reference workload (the default when no section is named)")
-    p.add_argument("--ladders", action="store_true", help="the workload under each bucket-ladder policy")
+    p.add_argument("--ladders", action="store_true", help="the workload under each bucket ladder")
     p.add_argument("--decode-sweep", action="store_true", help="decode-step latency vs batch size, graph vs eager")
-    p.add_argument("--all", action="store_true", help="--decode-sweep --compare --ladders")
+    p.add_argument("--overlap", action="store_true", help="overlap scheduling on vs off: throughput, batch 1, GPU busy")
+    p.add_argument("--all", action="store_true", help="--decode-sweep --compare --ladders --overlap")
     p.add_argument("--hf-seqs", type=int, default=32,
                    help="HF runs the first N sequences of the workload (default 32; 256 = all of it; 0 = skip HF)")
     p.add_argument("--hf-timeout", type=float, default=300.0, help="give up on HF after this many seconds")
@@ -702,17 +889,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--plot", help="write a PNG: decode latency vs batch and throughput bars (needs matplotlib)")
     args = p.parse_args(argv)
     if args.all:
-        args.decode_sweep = args.compare = args.ladders = True
+        args.decode_sweep = args.compare = args.ladders = args.overlap = True
+    args.run_default = args.run or args.compare or args.overlap or not (args.ladders or args.decode_sweep)
     args.sweep_max_bs = args.sweep_max_bs or (8 if args.quick else 256)
     args.sweep_context_len = args.sweep_context_len or (32 if args.quick else 512)
     args.sweep_iters = args.sweep_iters or (3 if args.quick else 20)
     args.bandwidth_mib = 64 if args.quick else 1024
+    args.latency_lengths = (8, 16) if args.quick else (128, 128)  # batch-1 latency: prompt, new tokens
     if args.quick:
         args.max_model_len = min(args.max_model_len, 256)
     return args
 
 
-def build_setup(args: argparse.Namespace, tmp: str) -> Setup:
+def build_setup(args: argparse.Namespace, tmp: str, name: str) -> Setup:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = args.dtype or ("float32" if args.quick else "bfloat16")
     if args.model:
@@ -723,7 +912,7 @@ def build_setup(args: argparse.Namespace, tmp: str) -> Setup:
             model_dir = resolve_model_dir(model_dir)
         vocab = AutoConfig.from_pretrained(model_dir).vocab_size
     else:
-        shape = "tiny" if args.quick else args.shape
+        shape = quick_shape(name) if args.quick else name
         model_dir, load_format = write_model_dir(shape, tmp), "dummy"
         vocab = SHAPES[shape]["vocab_size"]
     max_token_id = min(10000, vocab - 1)
@@ -731,44 +920,56 @@ def build_setup(args: argparse.Namespace, tmp: str) -> Setup:
     if not args.quick and max_token_id == 10000:
         total = workload.output_tokens
         assert total == REFERENCE_OUTPUT_TOKENS, f"reference workload has {total} output tokens, not {REFERENCE_OUTPUT_TOKENS}"
-    return Setup(args, model_dir, load_format, device, dtype, workload, warmup_workload(args.quick, max_token_id),
-                 max_token_id)
+    return Setup(args, name, model_dir, load_format, device, dtype, workload,
+                 warmup_workload(args.quick, max_token_id), max_token_id)
 
 
-def meta(setup: Setup) -> dict:
+def meta(setup: Setup, names: list[str]) -> dict:
     import transformers
     cuda = is_cuda(setup.device)
-    return {"model": setup.args.model or ("tiny" if setup.args.quick else setup.args.shape),
-            "load_format": setup.load_format, "device": setup.device, "dtype": setup.dtype, "tp": setup.args.tp,
-            "quick": setup.args.quick, "max_model_len": setup.args.max_model_len,
+    return {"models": names, "load_format": setup.load_format, "device": setup.device, "dtype": setup.dtype,
+            "tp": setup.args.tp, "quick": setup.args.quick, "max_model_len": setup.args.max_model_len,
             "device_name": torch.cuda.get_device_name(setup.device) if cuda else platform.processor() or "cpu",
             "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version()}
 
 
+def run_sections(setup: Setup) -> dict:
+    """Every section asked for, on one shape."""
+    args, report = setup.args, {}
+    if args.decode_sweep:
+        report["decode_sweep"] = section_decode_sweep(setup)
+    if args.run_default:
+        run = section_run(setup)
+        if args.compare:
+            report["compare"] = {"rows": [r.to_dict() for r in section_compare(setup, run)]}
+        if args.overlap:
+            report["overlap"] = {"rows": [r.to_dict() for r in section_overlap(setup, run)]}
+        report["run"] = run.to_dict()  # after --compare, which sets its ratio
+    if args.ladders:
+        if is_cuda(setup.device):
+            report["ladders"] = {"rows": [r.to_dict() for r in section_ladders(setup)]}
+        else:
+            print("\n(ladders skipped: bucket ladders are CUDA graphs, and there are none on the CPU)")
+            report["ladders"] = {"skipped": "no CUDA graphs on the CPU"}
+    return report
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    run_default = args.run or args.compare or not (args.ladders or args.decode_sweep)
+    names = [args.model] if args.model else args.shape
     with tempfile.TemporaryDirectory(prefix="nanograph-bench-") as tmp:
-        setup = build_setup(args, tmp)
-        report = {"meta": meta(setup), "workload": setup.workload.summary()}
-        m, w = report["meta"], setup.workload
-        print(f"nanograph bench: {m['model']} ({setup.load_format} weights, {setup.dtype}) on {m['device_name']}, "
-              f"tp={args.tp}; torch {m['torch']}, transformers {m['transformers']}")
+        setups = [build_setup(args, tmp, name) for name in names]
+        m, w = meta(setups[0], names), setups[0].workload
+        report = {"meta": m, "workload": w.summary(), "shapes": {}}
+        print(f"nanograph bench: {', '.join(names)}{' (--quick: tiny models)' if args.quick else ''} "
+              f"({setups[0].load_format} weights, {m['dtype']}) on {m['device_name']}, tp={args.tp}; "
+              f"torch {m['torch']}, transformers {m['transformers']}")
         print(f"workload: {w.num_seqs} sequences, {w.prompt_tokens:,} prompt tokens, {w.output_tokens:,} output tokens"
               + (" (the reference workload)" if w.output_tokens == REFERENCE_OUTPUT_TOKENS else ""))
-        if args.decode_sweep:
-            report["decode_sweep"] = section_decode_sweep(setup)
-        if run_default:
-            graphs = section_run(setup)
-            report["run"] = graphs.to_dict()
-            if args.compare:
-                report["compare"] = {"rows": [r.to_dict() for r in section_compare(setup, graphs)]}
-        if args.ladders:
-            if is_cuda(setup.device):
-                report["ladders"] = {"rows": [r.to_dict() for r in section_ladders(setup)]}
-            else:
-                print("\n(ladders skipped: bucket ladders are CUDA graphs, and there are none on the CPU)")
-                report["ladders"] = {"skipped": "no CUDA graphs on the CPU"}
+        for setup in setups:
+            if len(setups) > 1:
+                print(f"\n==== {setup.name} ====")
+            report["shapes"][setup.name] = run_sections(setup)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2, default=str)

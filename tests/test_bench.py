@@ -1,8 +1,11 @@
-"""bench.py: the reference workload is the one DESIGN.md names, and the quick run works end to end."""
+"""bench.py: the reference workload is the one DESIGN.md names, its helpers compute what they say,
+and the quick run works end to end on the CPU."""
 import json
 import os
 import subprocess
 import sys
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -34,31 +37,136 @@ def test_workload_head_keeps_the_first_sequences():
 
 def test_quick_workload_fits_the_tiny_model():
     work = bench.quick_workload()
-    vocab = bench.SHAPES["tiny"]["vocab_size"]
-    assert all(0 <= t < vocab for p in work.prompts for t in p)
+    for tiny in ("tiny", "tiny-llama"):
+        assert all(0 <= t < bench.SHAPES[tiny]["vocab_size"] for p in work.prompts for t in p)
+
+
+def test_ladders_bench_builds():
+    assert bench.ladder_sizes("default", 512) is None  # the engine's own rule
+    assert bench.ladder_sizes("pow2", 512) == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+    assert bench.ladder_sizes("pow2", 48) == [1, 2, 4, 8, 16, 32, 48]
+    nano = bench.ladder_sizes("nano-vllm", 512)
+    assert nano == [1, 2, 4, 8] + list(range(16, 513, 16)) and len(nano) == 36
+    assert bench.ladder_sizes("nano-vllm", 40) == [1, 2, 4, 8, 16, 32, 40]
+
+
+def test_sweep_sizes_are_dense_at_the_small_end():
+    assert bench.sweep_sizes(256) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256]
+    assert bench.sweep_sizes(8) == [1, 2, 3, 4, 6, 8]
+    assert bench.sweep_sizes(100) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96]
+
+
+# total parameters of the public checkpoints (model cards), within 2%
+PUBLISHED_PARAMS = {"qwen3-0.6b": 0.6e9, "qwen3-1.7b": 1.7e9, "qwen3-4b": 4.0e9, "qwen3-8b": 8.2e9,
+                    "llama3.2-1b": 1.24e9, "llama3.1-8b": 8.03e9}
+
+
+@pytest.mark.parametrize("shape", bench.BENCH_SHAPES)
+def test_shapes_are_the_public_models(shape, tmp_path):
+    from transformers import AutoConfig
+    path = bench.write_model_dir(shape, str(tmp_path))
+    raw = json.load(open(os.path.join(path, "config.json")))
+    cfg = AutoConfig.from_pretrained(path)
+    family = "llama" if shape.startswith("llama") else "qwen3"
+    assert raw["model_type"] == cfg.model_type == family
+    assert raw["architectures"] == [{"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}[family]]
+    hd, h = cfg.head_dim, cfg.hidden_size
+    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    layer = 2 * h * q + 2 * h * kv + 3 * h * cfg.intermediate_size + 2 * h + (2 * hd if family == "qwen3" else 0)
+    embeddings = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2)
+    params = embeddings + cfg.num_hidden_layers * layer + h
+    assert params == pytest.approx(PUBLISHED_PARAMS[shape], rel=0.02)
+    rope = cfg.rope_parameters
+    if family == "llama":
+        assert rope["rope_type"] == "llama3" and rope["rope_theta"] == 500_000.0
+        assert rope["factor"] == (32.0 if shape == "llama3.2-1b" else 8.0)
+        assert (rope["low_freq_factor"], rope["high_freq_factor"], rope["original_max_position_embeddings"]) == (1, 4, 8192)
+    else:
+        assert rope["rope_theta"] == 1_000_000.0
+
+
+def test_timed_call_figures_come_from_graph_stats():
+    from nanograph.engine.cuda_graph import GraphStats
+    stats = GraphStats()
+    stats.replays.update({8: 5, 16: 1})
+    stats.real_rows, stats.eager_steps = 50, 2
+    before = bench.graph_counters(stats)  # the warm-up's counts
+    stats.replays.update({4: 3, 16: 1})
+    stats.real_rows += 3 * 3 + 12
+    stats.eager_steps += 1
+    figures = bench.call_figures(before, bench.graph_counters(stats))
+    assert figures["replays_per_bucket"] == {4: 3, 16: 1}
+    assert figures["decode_steps"] == 5 and figures["graph_replays"] == 4
+    assert figures["graph_hit_rate"] == pytest.approx(4 / 5)
+    assert figures["padding_waste"] == pytest.approx((3 * 4 + 16 - 21) / 21)
+
+
+def test_busy_share_is_the_union_of_intervals():
+    assert bench.busy_share([(5, 6), (0, 2), (1, 3)]) == pytest.approx(4 / 6)
+    assert bench.busy_share([(0, 10), (2, 3)]) == 1.0
+    assert bench.busy_share([]) is None  # nothing ran on the GPU
+
+
+def test_ratios_compare_the_same_sequences():
+    rows = [bench.RunResult("graphs", 256, 1000, 1.0), bench.RunResult("eager", 256, 1000, 4.0),
+            bench.RunResult("graphs, first 32", 32, 100, 1.0), bench.RunResult("HF", 32, 100, 10.0),
+            bench.RunResult("HF failed", 32, error="boom")]
+    assert bench.same_set_ratios(rows) == [1.0, 0.25, 1.0, 0.1, None]
 
 
 def test_quick_bench_runs_end_to_end(tmp_path):
+    """The CLI: the reference run, --compare with HF on a subset, --overlap."""
     out = tmp_path / "b.json"
-    proc = subprocess.run([sys.executable, "bench.py", "--quick", "--device", "cpu", "--compare", "--json", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120,
+    proc = subprocess.run([sys.executable, "bench.py", "--quick", "--device", "cpu", "--compare", "--overlap",
+                           "--hf-seqs", "4", "--json", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONPATH": ROOT})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert {"meta", "workload", "run", "compare"} <= set(report)
-    requested = bench.quick_workload().output_tokens
+    assert {"meta", "workload", "shapes"} <= set(report) and list(report["shapes"]) == ["qwen3-0.6b"]
+    shape = report["shapes"]["qwen3-0.6b"]
+    assert {"run", "compare", "overlap"} <= set(shape)
+    work = bench.quick_workload()
+    requested, subset = work.output_tokens, work.head(4).output_tokens
     assert report["workload"]["output_tokens"] == requested
 
-    run = report["run"]
+    run = shape["run"]
     assert run["output_tokens"] == requested  # ignore_eos: every request runs to its max_tokens
     assert run["tokens_per_s"] > 0 and run["error"] is None
 
-    rows = {row["engine"].split(" ")[0] + (" eager" if "eager" in row["engine"] else ""): row
-            for row in report["compare"]["rows"]}
-    assert set(rows) == {"nanograph", "nanograph eager", "HF"}
-    for name in ("nanograph", "nanograph eager"):
-        assert rows[name]["output_tokens"] == requested
-        assert rows[name]["tokens_per_s"] > 0
-    hf = rows["HF"]
+    graphs, eager, graphs_subset, hf = shape["compare"]["rows"]
+    assert graphs == run and "eager" in eager["engine"] and eager["output_tokens"] == requested
+    # HF runs the first 4 sequences, and so does nanograph: the ratios compare the same sequences
+    assert graphs_subset["engine"].endswith("first 4 sequences") and hf["engine"].startswith("HF")
     assert hf["error"] is None, hf["error"]
-    assert hf["output_tokens"] == requested and hf["tokens_per_s"] > 0
+    assert graphs_subset["num_seqs"] == hf["num_seqs"] == 4
+    assert graphs_subset["output_tokens"] == hf["output_tokens"] == subset
+    assert graphs["vs_nanograph"] == graphs_subset["vs_nanograph"] == 1.0
+    assert eager["vs_nanograph"] == pytest.approx(eager["tokens_per_s"] / graphs["tokens_per_s"])
+    assert hf["vs_nanograph"] == pytest.approx(hf["tokens_per_s"] / graphs_subset["tokens_per_s"])
+
+    on, off = shape["overlap"]["rows"]
+    assert (on["stats"]["overlap_scheduling"], off["stats"]["overlap_scheduling"]) == (True, False)
+    assert run["engine"] in (on["engine"], off["engine"])  # the reference run serves its default mode
+    for row in (on, off):
+        assert row["output_tokens"] == requested
+        assert row["stats"].get("overlap_discarded_tokens", 0) == 0  # EOS ignored: no stop is seen late
+        assert "ms_per_token" in row["probe"]
+        assert not {"gpu_busy_batch1", "gpu_busy_workload", "graph_step_ms"} & set(row["probe"])  # CPU
+    assert "busy shares skipped" in proc.stdout
+
+
+def test_quick_decode_sweep_covers_several_shapes():
+    report = bench.main(["--quick", "--device", "cpu", "--decode-sweep", "--sweep-iters", "1",
+                         "--shape", "qwen3-0.6b,llama3.2-1b"])
+    assert list(report["shapes"]) == ["qwen3-0.6b", "llama3.2-1b"]
+    for shape in report["shapes"].values():
+        assert set(shape) == {"decode_sweep"}
+        sweep = shape["decode_sweep"]
+        rows, b = sweep["rows"], sweep["batch1"]
+        assert [r["batch"] for r in rows] == [1, 2, 3, 4, 6, 8]
+        assert b["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 4  # K and V, 2 layers, 2 KV heads, head_dim 16, fp32
+        for r in rows:
+            assert r["graph_ms"] is None and r["eager_ms"] > 0  # CPU: no graphs
+            kv = r["batch"] * sweep["context_len"] * b["kv_bytes_per_token"]
+            assert r["floor_ms"] == pytest.approx((b["weight_bytes"] + kv) / b["copy_bandwidth_Bps"] * 1e3)
