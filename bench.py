@@ -380,13 +380,11 @@ def call_figures(before: dict, after: dict) -> dict:
     """The figures of one call alone, from the counters before and after it."""
     out = {key: after[key] - before[key] for key in CALL_COUNTERS if key in after}
     if "replays" in after:
-        replays = after["replays"] - before["replays"]  # Counter subtraction drops the buckets not replayed
-        replayed = sum(replays.values())
-        steps = replayed + after["eager_steps"] - before["eager_steps"]
-        real = after["real_rows"] - before["real_rows"]
-        padded = sum(bucket * n for bucket, n in replays.items()) - real
-        out.update(decode_steps=steps, graph_replays=replayed, replays_per_bucket=dict(sorted(replays.items())),
-                   graph_hit_rate=replayed / steps if steps else 0.0, padding_waste=padded / real if real else 0.0)
+        from nanograph.engine.cuda_graph import GraphStats
+        call = GraphStats(replays=after["replays"] - before["replays"],  # Counter subtraction drops unused buckets
+                          eager_steps=after["eager_steps"] - before["eager_steps"],
+                          real_rows=after["real_rows"] - before["real_rows"])
+        out.update({k: v for k, v in call.as_dict().items() if k not in ("capture_seconds", "graph_memory_bytes")})
     return out
 
 

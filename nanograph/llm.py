@@ -43,6 +43,8 @@ from nanograph.engine.block_manager import BlockManager
 from nanograph.engine.model_runner import InFlight, ModelRunner
 from nanograph.engine.scheduler import Scheduler
 from nanograph.engine.sequence import Sequence
+from nanograph.layers.lora import rank_buckets
+from nanograph.lora import Adapter, LoRARequest, read_adapter
 from nanograph.sampling_params import SamplingParams
 
 
@@ -61,7 +63,9 @@ class LLM:
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.kvcache_block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   frozenset(self.eos_ids), config.max_model_len)
+                                   frozenset(self.eos_ids), config.max_model_len, config.max_loras,
+                                   tuple(rank_buckets(config.max_lora_rank)))
+        self.adapters: dict[LoRARequest, Adapter] = {}
         self.seq_ids = count()
         self.closed = False
 
@@ -119,19 +123,36 @@ class LLM:
                              f"has {self.runner.num_kv_blocks}; it could never run")
         return list(prompt)
 
+    def _adapter(self, i: int, request: LoRARequest | None) -> Adapter | None:
+        if request is None:
+            return None
+        if not self.config.enable_lora:
+            raise ValueError(f"request {i}: a lora_request needs LLM(..., enable_lora=True)")
+        if not isinstance(request, LoRARequest):
+            raise ValueError(f"request {i}: lora_request must be a LoRARequest, got {type(request).__name__}")
+        if request not in self.adapters:  # checked once per adapter, read from disk when it gets a slot
+            try:
+                self.adapters[request] = read_adapter(request, self.config.hf_config, self.config.max_lora_rank)
+            except ValueError as e:
+                raise ValueError(f"request {i}: {e}") from None
+        return self.adapters[request]
+
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[dict]:
+                 use_tqdm: bool = True, lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[dict]:
         if self.closed:
             raise RuntimeError("this LLM has been closed")
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             raise ValueError("prompts must be a list of prompts (str or list of token ids)")
         params = sampling_params if sampling_params is not None else SamplingParams()
         params = params if isinstance(params, list) else [params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
+        for name, values in (("sampling params", params), ("lora requests", loras)):
+            if len(values) != len(prompts):
+                raise ValueError(f"got {len(prompts)} prompts but {len(values)} {name}")
         token_lists = [self._validate(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
-        seqs = [Sequence(next(self.seq_ids), ids, sp, self.config.kvcache_block_size, self.config.device)
-                for ids, sp in zip(token_lists, params)]
+        adapters = [self._adapter(i, request) for i, request in enumerate(loras)]
+        seqs = [Sequence(next(self.seq_ids), ids, sp, self.config.kvcache_block_size, self.config.device, adapter)
+                for ids, sp, adapter in zip(token_lists, params, adapters)]
         for seq in seqs:
             self.scheduler.add(seq)
         bar = tqdm(total=len(seqs), desc="Generating", disable=not use_tqdm, dynamic_ncols=True)

@@ -88,14 +88,14 @@ def test_shapes_are_the_public_models(shape, tmp_path):
 def test_timed_call_figures_come_from_graph_stats():
     from nanograph.engine.cuda_graph import GraphStats
     stats = GraphStats()
-    stats.replays.update({8: 5, 16: 1})
+    stats.replays.update({(8, 0): 5, (16, 0): 1})
     stats.real_rows, stats.eager_steps = 50, 2
     before = bench.graph_counters(stats)  # the warm-up's counts
-    stats.replays.update({4: 3, 16: 1})
+    stats.replays.update({(4, 0): 3, (16, 16): 1})
     stats.real_rows += 3 * 3 + 12
     stats.eager_steps += 1
     figures = bench.call_figures(before, bench.graph_counters(stats))
-    assert figures["replays_per_bucket"] == {4: 3, 16: 1}
+    assert figures["replays_per_bucket"] == {4: 3, 16: 1} and figures["replays_per_lora_bucket"] == {"16x16": 1}
     assert figures["decode_steps"] == 5 and figures["graph_replays"] == 4
     assert figures["graph_hit_rate"] == pytest.approx(4 / 5)
     assert figures["padding_waste"] == pytest.approx((3 * 4 + 16 - 21) / 21)

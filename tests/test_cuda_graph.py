@@ -45,14 +45,14 @@ def test_buffers_fill_live_rows_and_pad_the_rest():
 
 def test_stats_arithmetic():
     stats = GraphStats()
-    for bucket, rows in ((8, 5), (8, 8), (4, 3), (1, 1)):
-        stats.replays[bucket] += 1
+    for bucket, rank, rows in ((8, 0, 5), (8, 16, 8), (4, 0, 3), (1, 8, 1)):
+        stats.replays[bucket, rank] += 1
         stats.real_rows += rows
     stats.eager_steps = 1
     d = stats.as_dict()
     assert d["graph_replays"] == 4 and d["decode_steps"] == 5 and d["graph_hit_rate"] == 0.8
     assert d["padding_waste"] == pytest.approx((3 + 0 + 1 + 0) / 17)
-    assert d["replays_per_bucket"] == {1: 1, 4: 1, 8: 2}
+    assert d["replays_per_bucket"] == {1: 1, 4: 1, 8: 2} and d["replays_per_lora_bucket"] == {"1x8": 1, "8x16": 1}
 
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

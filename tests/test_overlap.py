@@ -36,7 +36,7 @@ def mixed_requests(path: str, n: int = 8, seed: int = 0):
         elif kind == 2:
             params.append(SamplingParams(temperature=0.9, seed=i, max_tokens=5 + 3 * i, top_k=50, top_p=0.9))
         else:
-            params.append(SamplingParams(temperature=1.0, seed=100 + i, max_tokens=40))
+            params.append(SamplingParams(temperature=1.0, seed=100 + i, max_tokens=36 + i))
     return prompts, params, free_run[3]
 
 

@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig, Qwen3Config
 from conftest import COMMON, FAMILIES
 from nanograph import LLM, SamplingParams
 from test_engine import random_prompts
+from test_lora import adapters  # noqa: F401 (a fixture)
 from test_overlap import mixed_requests
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -82,6 +83,20 @@ def test_tp2_with_overlap_matches_tp1_without(tiny_model):
             outs.append([o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)])
             discarded = llm.stats()["overlap_discarded_tokens"]
     assert outs[1] == outs[0] and discarded > 0
+
+
+def test_tp2_lora_matches_tp1(tiny_model, adapters):
+    """Column-parallel layers keep all of A and their rows of B, row-parallel ones their columns
+    of A and all of B; with 2 slots for 3 adapters the workers follow rank 0's slot loads."""
+    path, reqs = tiny_model("llama"), adapters("llama")
+    prompts = random_prompts([5, 17, 30, 9, 12], seed=11)
+    loras = [reqs["qv8"], None, reqs["all16"], reqs["mlp4"], reqs["qv8"]]
+    outs = []
+    for tp in (1, 2):
+        with LLM(path, tensor_parallel_size=tp, kvcache_block_size=16, enable_lora=True, max_loras=2,
+                 max_lora_rank=16) as llm:
+            outs.append([o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)])
+    assert outs[1] == outs[0]
 
 
 def test_start_close_twice_leaves_no_process(tiny_model):

@@ -7,7 +7,8 @@ partly-filled block. Token t of a sequence lives in slot `block_table[t // B] * 
 Prefix caching: once a block is full *and its K/V computed*, it is registered under a hash of
 its tokens chained with the previous block's hash (xxhash64). Chaining makes the hash name the
 whole prefix, so equal hashes mean equal prefixes (the tokens are compared too, to be safe
-against collisions). A new sequence walks its full prompt blocks and shares every registered
+against collisions). A sequence with a LoRA adapter starts its chain from a hash of the adapter
+instead of 0: its K/V differ from the base model's for the same tokens, so they share nothing. A new sequence walks its full prompt blocks and shares every registered
 block it finds (ref_count += 1) instead of recomputing it. Blocks are registered after the step
 that computes them, never at allocation: a chunked prefill must not lend out a block whose K/V
 is still garbage.
@@ -73,7 +74,7 @@ class BlockManager:
     def allocate(self, seq: Sequence) -> None:
         """Give `seq` blocks for all its tokens, sharing the longest cached prefix."""
         assert not seq.block_table
-        prefix_hash, hits = 0, 0
+        prefix_hash, hits = seq.cache_salt, 0
         for i in range(seq.num_blocks):
             block = self._cached_block(seq, i, prefix_hash) if hits == i else None
             if block is None:
@@ -97,7 +98,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         for i in range(seq.num_hashed_blocks, num_computed // self.block_size):
-            prefix_hash = self.blocks[seq.block_table[i - 1]].hash if i > 0 else 0
+            prefix_hash = self.blocks[seq.block_table[i - 1]].hash if i > 0 else seq.cache_salt
             block = self.blocks[seq.block_table[i]]
             if block.hash == -1:
                 block.token_ids = seq.block_tokens(i)

@@ -47,7 +47,8 @@ import torch
 from tqdm.auto import tqdm
 
 from nanograph.engine.step import resolve_input_ids
-from nanograph.utils.context import AttentionMetadata, set_attention_metadata
+from nanograph.layers.lora import rank_buckets
+from nanograph.utils.context import StepMetadata, set_step_metadata
 
 log = logging.getLogger("nanograph")
 
@@ -74,7 +75,7 @@ class DecodeBuffers:
     while step N's copy may not have run yet; by then step N-1, which used the other mirror, has
     been collected, so its copy is done and that mirror is free to overwrite."""
 
-    FIELDS = ("input_ids", "positions", "slot_mapping", "context_lens")
+    FIELDS = ("input_ids", "positions", "slot_mapping", "context_lens", "lora_slots")
 
     def __init__(self, max_bs: int, max_blocks: int, device):
         self.max_bs, self.max_blocks = max_bs, max_blocks
@@ -97,15 +98,17 @@ class DecodeBuffers:
 
     @staticmethod
     def fill_padding(host: dict, start: int, end: int) -> None:
-        """Rows start..end-1 become padding: token 0 at position 0, no slot, no context."""
-        for name, value in (("input_ids", 0), ("positions", 0), ("slot_mapping", -1), ("context_lens", 0)):
+        """Rows start..end-1 become padding: token 0 at position 0, no cache slot, no context, no adapter."""
+        for name, value in (("input_ids", 0), ("positions", 0), ("slot_mapping", -1), ("context_lens", 0),
+                            ("lora_slots", -1)):
             host[name][start:end] = value
 
     def fill(self, step, bucket: int) -> None:
         n, host, flat = len(step.input_ids), self.hosts[self.turn], self.host_flats[self.turn]
         self.turn ^= 1
         for name in self.FIELDS:
-            host[name][:n] = getattr(step, name)
+            value = getattr(step, name)
+            host[name][:n] = -1 if value is None else value  # lora_slots None: no adapters
         for row, table in enumerate(step.block_tables):
             host["block_tables"][row, :len(table)] = table
         self.fill_padding(host, n, bucket)
@@ -119,14 +122,17 @@ class GraphStats:
     """What the graphs did: measured, not assumed."""
     capture_seconds: float = 0.0
     graph_memory_bytes: int = 0
-    replays: Counter = field(default_factory=Counter)   # bucket -> replays
+    replays: Counter = field(default_factory=Counter)   # (batch bucket, LoRA rank bucket) -> replays
     eager_steps: int = 0                                # decode batches above the largest bucket
     real_rows: int = 0                                  # rows of real sequences over all replays
 
     def as_dict(self) -> dict:
         replayed = sum(self.replays.values())
         decode_steps = replayed + self.eager_steps
-        padded_rows = sum(bucket * n for bucket, n in self.replays.items()) - self.real_rows
+        padded_rows = sum(bucket * n for (bucket, _), n in self.replays.items()) - self.real_rows
+        per_bucket = Counter()
+        for (bucket, _), n in self.replays.items():
+            per_bucket[bucket] += n
         return {
             "capture_seconds": round(self.capture_seconds, 3),
             "graph_memory_bytes": self.graph_memory_bytes,
@@ -134,7 +140,8 @@ class GraphStats:
             "graph_replays": replayed,
             "graph_hit_rate": replayed / decode_steps if decode_steps else 0.0,
             "padding_waste": padded_rows / self.real_rows if self.real_rows else 0.0,
-            "replays_per_bucket": dict(sorted(self.replays.items())),
+            "replays_per_bucket": dict(sorted(per_bucket.items())),
+            "replays_per_lora_bucket": {f"{b}x{r}": n for (b, r), n in sorted(self.replays.items()) if r},
         }
 
 
@@ -143,47 +150,52 @@ class CudaGraphRunner:
         self.model, self.last_tokens = model, last_tokens  # not the ModelRunner: no cycle keeping the cache alive
         self.ladder = sorted(set(config.cuda_graph_sizes or bucket_ladder(config.cuda_graph_max_bs or
                                                                           min(config.max_num_seqs, 512))))
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        self.ranks = [0] + (rank_buckets(config.max_lora_rank) if config.enable_lora else [])
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (batch bucket, LoRA rank bucket) -> graph
+        self.logits: torch.Tensor | None = None  # [max_bs, vocab]: every graph's output, copied in
         self.stats = GraphStats()
         max_blocks = -(-config.max_model_len // config.kvcache_block_size)
         self.buffers = DecodeBuffers(self.ladder[-1], max_blocks, device)
         self.capture()
 
     def stats_dict(self) -> dict:
-        return {"cuda_graph_sizes": self.ladder, "num_graphs": len(self.ladder), **self.stats.as_dict()}
+        return {"cuda_graph_sizes": self.ladder, "lora_rank_buckets": self.ranks[1:], "num_graphs": len(self.graphs),
+                **self.stats.as_dict()}
 
-    def metadata(self, bs: int) -> AttentionMetadata:
+    def forward(self, bs: int, rank: int) -> torch.Tensor:
         dev = self.buffers.dev
-        return AttentionMetadata(False, dev["slot_mapping"][:bs], dev["context_lens"][:bs], dev["block_tables"][:bs])
-
-    def forward(self, bs: int) -> torch.Tensor:
-        dev = self.buffers.dev
-        set_attention_metadata(self.metadata(bs))
+        set_step_metadata(StepMetadata(False, dev["slot_mapping"][:bs], dev["context_lens"][:bs],
+                                       dev["block_tables"][:bs], lora_rank=rank, lora_slots=dev["lora_slots"][:bs]))
         hidden = self.model(resolve_input_ids(dev["input_ids"][:bs], self.last_tokens), dev["positions"][:bs])
-        return self.model.compute_logits(hidden)
+        logits = self.model.compute_logits(hidden)
+        if self.logits is None:  # the first (largest) warm-up sizes the shared output
+            self.logits = torch.empty_like(logits)
+        self.logits[:bs] = logits
+        return logits
+
     @torch.inference_mode()
     def capture(self) -> None:
         start, pool = time.perf_counter(), None
         torch.cuda.synchronize()
         base_reserved = torch.cuda.memory_reserved()
         reserved = base_reserved
-        for i, bs in enumerate(tqdm(self.ladder[::-1], desc="Capturing decode graphs", leave=False)):
-            self.forward(bs)  # warm-up: compile, autotune, allocate workspaces outside the graph
+        grid = [(bs, rank) for bs in self.ladder[::-1] for rank in self.ranks[::-1]]
+        for i, (bs, rank) in enumerate(tqdm(grid, desc="Capturing decode graphs", leave=False)):
+            self.forward(bs, rank)  # warm-up: compile, autotune, allocate workspaces outside the graph
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             # thread_local: other threads (NCCL's watchdog polls its events) may keep calling CUDA
             with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                self.logits[bs] = self.forward(bs)
+                self.forward(bs, rank)
             pool = graph.pool()
-            self.graphs[bs] = graph
+            self.graphs[bs, rank] = graph
             torch.cuda.synchronize()
             now_reserved, allocated = torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
-            log.info("[graph %d/%d] bs=%d pool reserved=%.1f MiB (delta %.1f MiB) allocated=%.1f MiB",
-                     i + 1, len(self.ladder), bs, now_reserved / 2**20, (now_reserved - reserved) / 2**20,
+            log.info("[graph %d/%d] bs=%d rank=%d pool reserved=%.1f MiB (delta %.1f MiB) allocated=%.1f MiB",
+                     i + 1, len(grid), bs, rank, now_reserved / 2**20, (now_reserved - reserved) / 2**20,
                      allocated / 2**20)
             reserved = now_reserved
-        set_attention_metadata(None)
+        set_step_metadata(None)
         self.stats.capture_seconds = time.perf_counter() - start
         self.stats.graph_memory_bytes = reserved - base_reserved
 
@@ -192,7 +204,6 @@ class CudaGraphRunner:
         captured one of its collectives, and destroying the communicator waits for that count to
         reach zero: a graph left alive makes the tensor-parallel shutdown hang."""
         self.graphs.clear()
-        self.logits.clear()
 
     def can_run(self, n: int) -> bool:
         return n <= self.ladder[-1]
@@ -205,7 +216,7 @@ class CudaGraphRunner:
             return None
         bucket = find_bucket(self.ladder, n)
         self.buffers.fill(step, bucket)
-        self.graphs[bucket].replay()
-        self.stats.replays[bucket] += 1
+        self.graphs[bucket, step.lora_rank].replay()
+        self.stats.replays[bucket, step.lora_rank] += 1
         self.stats.real_rows += n
-        return self.logits[bucket][:n]
+        return self.logits[:n]

@@ -28,10 +28,11 @@ from nanograph.engine.scheduler import Batch
 from nanograph.engine.sequence import Sequence
 from nanograph.engine.step import StepInput, build_step, resolve_input_ids
 from nanograph.layers.attention import resolve_backend
+from nanograph.layers.lora import add_lora_buffers, load_adapter
 from nanograph.layers.sampler import SamplingBatch, sample
 from nanograph.models.decoder import DecoderForCausalLM
 from nanograph.sampling_params import SamplingParams
-from nanograph.utils.context import AttentionMetadata, set_attention_metadata
+from nanograph.utils.context import StepMetadata, set_step_metadata
 from nanograph.utils.loader import init_dummy_weights, load_weights
 
 CPU_KV_CACHE_BYTES = 1 << 30
@@ -72,6 +73,8 @@ class ModelRunner:
             init_dummy_weights(self.model, config.seed)
         else:
             load_weights(self.model, config.model_dir)
+        if config.enable_lora:
+            add_lora_buffers(self.model, config.max_loras, config.max_lora_rank)
         self.backend = resolve_backend(config.attention_backend, self.device, self.block_size)
         self.attention_layers = [layer.self_attn.attn for layer in self.model.model.layers]
         for attn in self.attention_layers:
@@ -138,30 +141,38 @@ class ModelRunner:
         return peak
 
     # ---- one step --------------------------------------------------------------------------
-    def attention_metadata(self, step: StepInput) -> AttentionMetadata:
+    def step_metadata(self, step: StepInput) -> StepMetadata:
         width = max(map(len, step.block_tables))
         tables = [t + [-1] * (width - len(t)) for t in step.block_tables]
-        md = AttentionMetadata(step.is_prefill, device_tensor(step.slot_mapping, torch.int64, self.device),
+        md = StepMetadata(step.is_prefill, device_tensor(step.slot_mapping, torch.int64, self.device),
                                device_tensor(step.context_lens, torch.int32, self.device),
                                device_tensor(tables, torch.int32, self.device))
+        cu = step.cu_seqlens_q if step.is_prefill else range(len(step.input_ids) + 1)
         if step.is_prefill:
             md.cu_seqlens_q = device_tensor(step.cu_seqlens_q, torch.int32, self.device)
             md.host_cu_seqlens_q, md.host_context_lens = step.cu_seqlens_q, step.context_lens
-            md.max_seqlen_q = max(b - a for a, b in zip(step.cu_seqlens_q, step.cu_seqlens_q[1:]))
+            md.max_seqlen_q = max(b - a for a, b in zip(cu, cu[1:]))
+        if step.lora_rank:  # each token takes its sequence's slot
+            slots = [slot for slot, a, b in zip(step.lora_slots, cu, cu[1:]) for _ in range(a, b)]
+            md.lora_rank, md.lora_slots = step.lora_rank, device_tensor(slots, torch.int32, self.device)
+            md.lora_rows = [(s, device_tensor([i for i, t in enumerate(slots) if t == s], torch.int64, self.device))
+                            for s in set(slots) - {-1}]
         return md
 
     @torch.inference_mode()
     def forward(self, step: StepInput) -> torch.Tensor:
         """Logits [sequences, vocab] of each sequence's last computed token."""
+        for slot, adapter in step.lora_loads:
+            load_adapter(self.model, slot, adapter)
         if not step.is_prefill and self.graphs is not None:
             logits = self.graphs.replay(step)  # None: the batch is above the largest graph
             if logits is not None:
                 return logits
         ids = resolve_input_ids(device_tensor(step.input_ids, torch.int64, self.device), self.last_tokens)
         positions = device_tensor(step.positions, torch.int64, self.device)
-        set_attention_metadata(self.attention_metadata(step))
+        set_step_metadata(self.step_metadata(step))
         hidden = self.model(ids, positions)
-        set_attention_metadata(None)
+        set_step_metadata(None)
         if step.is_prefill:
             hidden = hidden[device_tensor(step.cu_seqlens_q[1:], torch.int64, self.device) - 1]
         return self.model.compute_logits(hidden)

@@ -30,9 +30,17 @@ scheduled before this one's tokens are back:
   dropped (`num_discarded_tokens`) and never reaches the output.
 The per-step facts (rows, token counts, where each sampled token goes) live in the `Batch`,
 not on the sequences, since the next `schedule` runs before this step's `update`.
+
+LoRA adapters (layers/lora.py) live in `max_loras` GPU slots, so no step may use more adapters
+than that. Admission keeps it so: a waiting sequence whose adapter is not already used by a
+running one waits while `max_loras` adapters are in use (more adapters than slots are served in
+turn). Each step then gets a slot for every adapter it uses: the one the adapter already has,
+else a free one, else the least recently used slot whose adapter no running sequence needs; the
+load itself (`Batch.lora_loads`) runs on the GPU in stream order, after any step in flight
+that still reads the old adapter.
 """
-from collections import deque
-from dataclasses import dataclass
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
 
 from nanograph.engine.block_manager import BlockManager
 from nanograph.engine.sequence import Sequence, Status
@@ -46,6 +54,9 @@ class Batch:
     starts: list[int]       # per sequence: its first token computed this step (num_computed_tokens before)
     num_tokens: list[int]   # per sequence: tokens computed this step (a prefill chunk, or 1)
     samples: list[bool]     # per sequence: whether this step samples its next token (False: a chunk)
+    lora_slots: list[int] = field(default_factory=list)  # per sequence: its adapter's slot, -1 = none
+    lora_rank: int = 0                                   # rank bucket of the step's adapters, 0 = none
+    lora_loads: list = field(default_factory=list)       # (slot, Adapter) to load before this step
 
     def end(self, row: int) -> int:
         """Tokens of the row's sequence computed after this step; a sampled token goes at this index."""
@@ -54,7 +65,8 @@ class Batch:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 eos_ids: frozenset[int] = frozenset(), max_model_len: int = 1 << 30):
+                 eos_ids: frozenset[int] = frozenset(), max_model_len: int = 1 << 30, max_loras: int = 0,
+                 lora_ranks: tuple[int, ...] = ()):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -63,6 +75,8 @@ class Scheduler:
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
         self.num_discarded_tokens = 0
+        self.max_loras, self.lora_ranks = max_loras, lora_ranks
+        self.slot_of: OrderedDict = OrderedDict()  # Adapter -> slot, least recently used first
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -75,6 +89,8 @@ class Scheduler:
         seqs, counts, budget = [], [], self.max_num_batched_tokens
         while self.waiting and budget > 0 and len(self.running) + len(seqs) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.adapter and not self.adapter_fits(seq.adapter, seqs):
+                break
             if not seq.block_table:
                 if not self.block_manager.can_allocate(seq):
                     break
@@ -102,8 +118,32 @@ class Scheduler:
         self.running.extendleft(reversed(seqs))
         return self.account(Batch(seqs, False, [], [1] * len(seqs), [])) if seqs else None
 
+    def adapters_in_use(self, seqs) -> set:
+        return {s.adapter for s in (*self.running, *seqs) if s.adapter}
+
+    def adapter_fits(self, adapter, admitted: list[Sequence]) -> bool:
+        in_use = self.adapters_in_use(admitted)
+        return adapter in in_use or len(in_use) < self.max_loras
+
+    def assign_slots(self, batch: Batch) -> None:
+        adapters = {s.adapter for s in batch.seqs if s.adapter}
+        for adapter in adapters:
+            if adapter not in self.slot_of:
+                free = set(range(self.max_loras)) - set(self.slot_of.values())
+                if not free:  # admission guarantees an adapter that no running sequence needs
+                    in_use = self.adapters_in_use(batch.seqs)
+                    free = {self.slot_of.pop(next(a for a in self.slot_of if a not in in_use))}
+                self.slot_of[adapter] = min(free)
+                batch.lora_loads.append((self.slot_of[adapter], adapter))
+            self.slot_of.move_to_end(adapter)
+        batch.lora_slots = [self.slot_of[s.adapter] if s.adapter else -1 for s in batch.seqs]
+        if adapters:
+            batch.lora_rank = next(r for r in self.lora_ranks if r >= max(a.rank for a in adapters))
+
     def account(self, batch: Batch) -> Batch:
-        """Treat `batch` as computed: advance the counters, give each sampling row a placeholder."""
+        """Treat `batch` as computed: give it adapter slots, advance the counters, give each
+        sampling row a placeholder."""
+        self.assign_slots(batch)
         for row, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             batch.starts.append(seq.num_computed_tokens)
             seq.num_computed_tokens += n

@@ -10,7 +10,9 @@ the tokens stay, their K/V is recomputed later.
 from enum import Enum, auto
 
 import torch
+import xxhash
 
+from nanograph.lora import Adapter
 from nanograph.sampling_params import SamplingParams
 
 
@@ -21,7 +23,8 @@ class Status(Enum):
 
 
 class Sequence:
-    def __init__(self, seq_id: int, prompt: list[int], params: SamplingParams, block_size: int, device):
+    def __init__(self, seq_id: int, prompt: list[int], params: SamplingParams, block_size: int, device,
+                 adapter: Adapter | None = None):
         self.seq_id = seq_id
         self.token_ids = list(prompt)
         self.num_prompt_tokens = len(prompt)
@@ -33,6 +36,9 @@ class Sequence:
         self.num_hashed_blocks = 0   # leading blocks already registered in the prefix cache
         self.num_cached_tokens = 0   # prompt tokens found in the prefix cache at the last admission
         self.generator = None if params.seed is None else torch.Generator(device).manual_seed(params.seed)
+        self.adapter = adapter       # its LoRA adapter, None = the base model
+        # the prefix cache's hash chain starts here: the same tokens under another adapter have other K/V
+        self.cache_salt = 0 if adapter is None else xxhash.xxh64_intdigest(repr(adapter.request).encode())
 
     def __len__(self) -> int:
         return len(self.token_ids)

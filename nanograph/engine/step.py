@@ -11,7 +11,7 @@ previous step sampled in its row r". Those tokens are on the device already (the
 the last step's sampled ids in `last_tokens`); `resolve_input_ids` swaps them in there, as the
 first op of the forward (inside the CUDA graph for replays), so no step waits for the host.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,6 +27,9 @@ class StepInput:
     context_lens: list[int]     # per sequence: keys to attend (cached + computed before + new)
     block_tables: list[list[int]]
     cu_seqlens_q: list[int]     # prefill only: per sequence offsets into input_ids (len = sequences + 1)
+    lora_slots: list[int] | None = None   # per sequence: its adapter's slot, -1 (or None for all) = none
+    lora_rank: int = 0                    # the step's LoRA rank bucket, 0 = no adapters
+    lora_loads: list = field(default_factory=list)  # (slot, Adapter) to load first (scheduler.py)
 
 
 def build_step(batch: Batch, block_size: int) -> StepInput:
@@ -35,8 +38,9 @@ def build_step(batch: Batch, block_size: int) -> StepInput:
         pos = batch.starts
         return StepInput(False, [seq.token_ids[p] for seq, p in zip(seqs, pos)], pos,
                          [seq.block_table[p // block_size] * block_size + p % block_size for seq, p in zip(seqs, pos)],
-                         [p + 1 for p in pos], [seq.block_table for seq in seqs], [])
-    step = StepInput(True, [], [], [], [], [], [0])
+                         [p + 1 for p in pos], [seq.block_table for seq in seqs], [], batch.lora_slots,
+                         batch.lora_rank, batch.lora_loads)
+    step = StepInput(True, [], [], [], [], [], [0], batch.lora_slots, batch.lora_rank, batch.lora_loads)
     for row, seq in enumerate(seqs):
         start, end = batch.starts[row], batch.end(row)
         step.input_ids += seq.token_ids[start:end]

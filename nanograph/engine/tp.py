@@ -10,9 +10,9 @@ any "spawn" child, a worker re-imports the user's main module: scripts that star
 tensor-parallel LLM need the usual `if __name__ == "__main__":` guard.
 
 What is sent each step, and how. The rank-0 runner is a `ModelRunner` whose `forward` first
-sends the step's `StepInput` to the workers, packed into one int32 tensor (a 5-int header with
-the lengths, then the lists back to back: two gloo broadcasts, no pickle) over a second,
-gloo-only process group: the control group. The workers run the same `forward` on their shard.
+sends the step's `StepInput` to the workers as int32 tensors (a header of lengths, then the
+lists back to back: two gloo broadcasts, no pickle; only the rare LoRA adapter loads follow as a
+small pickled list) over a second, gloo-only process group: the control group. The workers run the same `forward` on their shard.
 Only rank 0 samples; it broadcasts the sampled ids on the device (one small NCCL broadcast),
 because the next step's placeholder tokens (step.py) are resolved on every rank from its own
 copy of them. (Sampling on every rank from the all-gathered logits would also work, but every
@@ -74,33 +74,42 @@ def control_group():
     return dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
 
 
+HEADER = 7  # is_prefill, tokens, sequences, table width, len(cu_seqlens_q), LoRA rank, adapter loads
+
+
 def send_step(step: StepInput | None, group) -> None:
-    """Rank 0: the step as [is_prefill, tokens, sequences, table width, len(cu_seqlens_q)] + lists;
-    an all-zero header (None) tells the workers to exit."""
+    """Rank 0: the step as a header of lengths, then its lists back to back, as int32 tensors; an
+    all-zero header (None) tells the workers to exit. Adapter loads, rare, follow as a pickle."""
     if step is None:
-        dist.broadcast(torch.zeros(5, dtype=torch.int32), src=0, group=group)
+        dist.broadcast(torch.zeros(HEADER, dtype=torch.int32), src=0, group=group)
         return
-    width = max(map(len, step.block_tables))
-    header = [step.is_prefill, len(step.input_ids), len(step.context_lens), width, len(step.cu_seqlens_q)]
+    width, seqs = max(map(len, step.block_tables)), len(step.context_lens)
+    header = [step.is_prefill, len(step.input_ids), seqs, width, len(step.cu_seqlens_q), step.lora_rank,
+              len(step.lora_loads)]
     tables = [x for t in step.block_tables for x in t + [-1] * (width - len(t))]
     payload = (step.input_ids + step.positions + step.slot_mapping + step.context_lens + step.cu_seqlens_q
-               + tables)
+               + (step.lora_slots or [-1] * seqs) + tables)
     dist.broadcast(torch.tensor(header, dtype=torch.int32), src=0, group=group)
     dist.broadcast(torch.tensor(payload, dtype=torch.int32), src=0, group=group)
+    if step.lora_loads:
+        dist.broadcast_object_list([step.lora_loads], src=0, group=group)
 
 
 def receive_step(group) -> StepInput | None:
-    header = torch.empty(5, dtype=torch.int32)
+    header = torch.empty(HEADER, dtype=torch.int32)
     dist.broadcast(header, src=0, group=group)
-    is_prefill, tokens, seqs, width, cu = header.tolist()
+    is_prefill, tokens, seqs, width, cu, lora_rank, loads = header.tolist()
     if tokens == 0:
         return None
-    payload = torch.empty(3 * tokens + seqs + cu + seqs * width, dtype=torch.int32)
+    payload = torch.empty(3 * tokens + 2 * seqs + cu + seqs * width, dtype=torch.int32)
     dist.broadcast(payload, src=0, group=group)
-    parts = payload.split([tokens, tokens, tokens, seqs, cu, seqs * width])
-    ids, positions, slots, context_lens, cu_seqlens_q = (p.tolist() for p in parts[:5])
-    return StepInput(bool(is_prefill), ids, positions, slots, context_lens, parts[5].view(seqs, width).tolist(),
-                     cu_seqlens_q)
+    parts = payload.split([tokens, tokens, tokens, seqs, cu, seqs, seqs * width])
+    ids, positions, slots, context_lens, cu_seqlens_q, lora_slots = (p.tolist() for p in parts[:6])
+    lora_loads = [None]
+    if loads:
+        dist.broadcast_object_list(lora_loads, src=0, group=group)
+    return StepInput(bool(is_prefill), ids, positions, slots, context_lens, parts[6].view(seqs, width).tolist(),
+                     cu_seqlens_q, lora_slots, lora_rank, lora_loads[0] or [])
 
 
 def worker_main(config: Config, rank: int, port: int) -> None:

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanograph.utils.context import AttentionMetadata, get_attention_metadata
+from nanograph.utils.context import StepMetadata, get_step_metadata
 
 
 def torch_rotate_and_store(q, k, v, positions, rotary, k_cache, v_cache, slot_mapping):
@@ -38,7 +38,7 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
     return cache[block_tables.clamp(min=0)].flatten(1, 2)
 
 
-def torch_prefill(q, k_cache, v_cache, md: AttentionMetadata, scale: float) -> torch.Tensor:
+def torch_prefill(q, k_cache, v_cache, md: StepMetadata, scale: float) -> torch.Tensor:
     out = torch.empty_like(q)
     cu = md.host_cu_seqlens_q
     for s, ctx in enumerate(md.host_context_lens):
@@ -53,7 +53,7 @@ def torch_prefill(q, k_cache, v_cache, md: AttentionMetadata, scale: float) -> t
     return out
 
 
-def torch_decode(q, k_cache, v_cache, md: AttentionMetadata, scale: float) -> torch.Tensor:
+def torch_decode(q, k_cache, v_cache, md: StepMetadata, scale: float) -> torch.Tensor:
     k = gather_kv(k_cache, md.block_tables).transpose(1, 2)  # [B, Hkv, L, D]
     v = gather_kv(v_cache, md.block_tables).transpose(1, 2)
     mask = torch.arange(k.shape[2], device=q.device)[None, :] < md.context_lens[:, None]
@@ -63,7 +63,7 @@ def torch_decode(q, k_cache, v_cache, md: AttentionMetadata, scale: float) -> to
     return o.squeeze(2)
 
 
-def triton_prefill(q, k_cache, v_cache, md: AttentionMetadata, scale: float) -> torch.Tensor:
+def triton_prefill(q, k_cache, v_cache, md: StepMetadata, scale: float) -> torch.Tensor:
     from nanograph.kernels.paged_prefill import paged_prefill_attention
     return paged_prefill_attention(q, k_cache, v_cache, md.cu_seqlens_q, md.context_lens, md.block_tables,
                                    md.max_seqlen_q, scale)
@@ -82,14 +82,14 @@ def triton_rotate_and_store(q, k, v, positions, rotary, k_cache, v_cache, slot_m
     return rotate_and_store(q, k, v, positions, *rotary_tables(rotary), k_cache, v_cache, slot_mapping)
 
 
-def triton_rotate_store_and_decode(q, k, v, positions, rotary, k_cache, v_cache, md: AttentionMetadata,
+def triton_rotate_store_and_decode(q, k, v, positions, rotary, k_cache, v_cache, md: StepMetadata,
                                    scale: float) -> torch.Tensor:
     from nanograph.kernels.paged_decode import paged_decode_attention
     return paged_decode_attention(q, k, v, positions, md.slot_mapping, *rotary_tables(rotary), k_cache, v_cache,
                                   md.block_tables, md.context_lens, scale)
 
 
-def flash_attn_prefill(q, k_cache, v_cache, md: AttentionMetadata, scale: float) -> torch.Tensor:
+def flash_attn_prefill(q, k_cache, v_cache, md: StepMetadata, scale: float) -> torch.Tensor:
     from flash_attn import flash_attn_varlen_func
     cu_k = F.pad(md.context_lens.cumsum(0, dtype=torch.int32), (1, 0))
     return flash_attn_varlen_func(q, k_cache, v_cache, md.cu_seqlens_q, cu_k, md.max_seqlen_q,
@@ -97,7 +97,7 @@ def flash_attn_prefill(q, k_cache, v_cache, md: AttentionMetadata, scale: float)
                                   block_table=md.block_tables)
 
 
-def flash_attn_decode(q, k_cache, v_cache, md: AttentionMetadata, scale: float) -> torch.Tensor:
+def flash_attn_decode(q, k_cache, v_cache, md: StepMetadata, scale: float) -> torch.Tensor:
     from flash_attn import flash_attn_with_kvcache
     return flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=md.context_lens,
                                    block_table=md.block_tables, softmax_scale=scale, causal=True).squeeze(1)
@@ -105,7 +105,7 @@ def flash_attn_decode(q, k_cache, v_cache, md: AttentionMetadata, scale: float) 
 
 def rotate_then(rotate_and_store, attend):
     """A step that rotates q and k and stores K/V, then attends: two separate kernels."""
-    def step(q, k, v, positions, rotary, k_cache, v_cache, md: AttentionMetadata, scale: float):
+    def step(q, k, v, positions, rotary, k_cache, v_cache, md: StepMetadata, scale: float):
         q = rotate_and_store(q, k, v, positions, rotary, k_cache, v_cache, md.slot_mapping)
         return attend(q, k_cache, v_cache, md, scale)
     return step
@@ -143,7 +143,7 @@ class Attention(nn.Module):
         self.k_cache = self.v_cache = torch.empty(0)  # bound to the cache by ModelRunner
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        md = get_attention_metadata()
+        md = get_step_metadata()
         prefill, decode = BACKENDS[self.backend]
         step = prefill if md.is_prefill else decode
         return step(q, k, v, positions, self.rotary, self.k_cache, self.v_cache, md, self.scale)

@@ -10,6 +10,9 @@ Every parameter carries a `weight_loader(param, loaded_weight, shard_id)` that c
 slice out of the full checkpoint tensor, so the loader never needs to know the sharding.
 With tp=1 every class degenerates into a plain nn.Linear.
 
+With `enable_lora` each layer also adds its rows' LoRA deltas (layers/lora.py); `load_lora`
+cuts this rank's share of an adapter the way `weight_loader` does for the weight.
+
 On CUDA, products with at most GEMV_MAX_ROWS rows (decode at small batch) go to the GEMV
 kernel of kernels/gemv.py, which streams the weights inside the PDL chain and can apply a
 deferred RMSNorm to its input (layers/norm.py); larger ones go to cuBLAS.
@@ -19,6 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from nanograph.layers.lora import add_lora
 from nanograph.layers.norm import DeferredNorm
 
 
@@ -51,9 +55,11 @@ def tp_size() -> int:
 
 class ColumnParallelLinear(nn.Module):
     """y = x W^T with W's rows (output features) split across ranks; output stays sharded."""
+    lora_a = lora_b = None  # with enable_lora: the adapter slots (layers/lora.py)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
+        self.part_starts = (0,)  # where each fused part's outputs start on this rank
         assert out_features % tp_size() == 0, f"{out_features} output features don't split over {tp_size()} ranks"
         self.weight = nn.Parameter(torch.empty(out_features // tp_size(), in_features))
         self.weight.weight_loader = self.weight_loader
@@ -71,8 +77,14 @@ class ColumnParallelLinear(nn.Module):
         offset, rows, start = self.shard_range(shard_id)
         param.data[offset:offset + rows].copy_(loaded[start:start + rows])
 
+    def load_lora(self, slot: int, shard_id, a: torch.Tensor, b: torch.Tensor) -> None:
+        """All of A (every rank sees the whole input), this rank's rows of B, as for the weight."""
+        offset, rows, start = self.shard_range(shard_id)
+        self.lora_a[slot, self.part_starts.index(offset), :a.shape[0]] = a
+        self.lora_b[slot, offset:offset + rows, :b.shape[1]] = b[start:start + rows]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return add_lora(x, linear(x, self.weight, self.bias), self)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -82,6 +94,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False):
         self.output_sizes = output_sizes
         super().__init__(in_features, sum(output_sizes), bias)
+        self.part_starts = tuple(sum(output_sizes[:i]) // tp_size() for i in range(len(output_sizes)))
 
     def shard_range(self, shard_id: int) -> tuple[int, int, int]:
         rows = self.output_sizes[shard_id] // tp_size()
@@ -101,6 +114,8 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.num_heads = num_heads // tp
         self.num_kv_heads = max(1, num_kv_heads // tp)
         super().__init__(hidden, (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp, bias)
+        q, kv = self.num_heads * head_dim, self.num_kv_heads * head_dim
+        self.part_starts = (0, q, q + kv)
 
     def shard_range(self, shard_id: str) -> tuple[int, int, int]:
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -115,6 +130,8 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(nn.Module):
     """y = x W^T with W's columns (input features) split: each rank's product is a partial sum,
     all-reduced. The bias is added once, after the sum."""
+    lora_a = lora_b = None
+    part_starts = (0,)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
@@ -130,8 +147,14 @@ class RowParallelLinear(nn.Module):
         cols = param.shape[1]
         param.data.copy_(loaded[:, tp_rank() * cols:(tp_rank() + 1) * cols])
 
+    def load_lora(self, slot: int, shard_id, a: torch.Tensor, b: torch.Tensor) -> None:
+        """This rank's columns of A (its share of the input), all of B: the delta is a partial sum too."""
+        cols = self.weight.shape[1]
+        self.lora_a[slot, 0, :a.shape[0]] = a[:, tp_rank() * cols:(tp_rank() + 1) * cols]
+        self.lora_b[slot, :, :b.shape[1]] = b
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight)
+        y = add_lora(x, linear(x, self.weight), self)
         if tp_size() > 1:
             dist.all_reduce(y)
         return y if self.bias is None else y + self.bias

@@ -20,6 +20,14 @@ from nanograph.layers.linear import MergedColumnParallelLinear, QKVParallelLinea
 from nanograph.layers.norm import RMSNorm
 from nanograph.layers.rotary import RotaryEmbedding
 from nanograph.utils.compile import cuda_compiled
+from nanograph.utils.context import get_step_metadata
+
+
+def fuse_small_batch(x) -> bool:
+    """Decode at small batch on CUDA: each norm is deferred into the GEMV that reads it, SiLU is
+    fused into gate/up (layers/norm.py, kernels/gemv.py). Not in a step with LoRA adapters: their
+    delta needs the normalised input as a tensor, and is added before SiLU."""
+    return use_gemv(x) and get_step_metadata().lora_rank == 0
 
 
 @cuda_compiled
@@ -62,7 +70,7 @@ class DecoderMLP(nn.Module):
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if use_gemv(x):  # the activation fused into the GEMV
+        if fuse_small_batch(x):  # the activation fused into the GEMV
             return self.down_proj(linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias, silu_and_mul=True))
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
@@ -78,7 +86,7 @@ class DecoderLayer(nn.Module):
     def forward(self, positions, x, residual):
         # residual carries the un-normalised stream; at small decode batches on CUDA both norms
         # are deferred into the GEMV that reads them (see norm.py)
-        defer = use_gemv(x)
+        defer = fuse_small_batch(x)
         if residual is None:
             x, residual = self.input_layernorm(x, defer=defer), x
         else:

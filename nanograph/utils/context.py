@@ -1,22 +1,23 @@
-"""Per-step attention metadata, set by the ModelRunner before each forward pass.
+"""Per-step metadata, set by the ModelRunner before each forward pass.
 
 The decoder layers are ordinary nn.Modules whose forward takes only hidden states and positions,
 exactly like a training model. Everything attention needs to find the paged KV cache (which
-slot each new token writes to, which blocks each sequence owns, how long each context is)
-changes every step, so the runner publishes it here and every Attention layer reads it.
-One global is the simplest honest way to do this: one forward pass runs at a time, and it keeps
-the model code free of plumbing.
+slot each new token writes to, which blocks each sequence owns, how long each context is), and
+which LoRA adapter each token uses, changes every step, so the runner publishes it here and the
+Attention and linear layers read it. One global is the simplest honest way to do this: one
+forward pass runs at a time, and it keeps the model code free of plumbing.
 
 Under CUDA graphs the tensors in here are the graph runner's *static buffers*, so a replay sees
-whatever the runner copied into them just before.
+whatever the runner copied into them just before; the plain ints (the LoRA rank) are fixed per
+graph.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 
 @dataclass
-class AttentionMetadata:
+class StepMetadata:
     is_prefill: bool
     slot_mapping: torch.Tensor        # [num_tokens] cache slot of each new token, -1 = write nothing
     context_lens: torch.Tensor        # [num_seqs] keys each sequence attends to (cached + new)
@@ -25,16 +26,19 @@ class AttentionMetadata:
     max_seqlen_q: int = 0                       # prefill only
     host_cu_seqlens_q: list[int] | None = None  # prefill only: the same on the host, so the
     host_context_lens: list[int] | None = None  # torch backend can slice without syncing
+    lora_rank: int = 0                          # rank bucket of the step's adapters, 0 = no LoRA work
+    lora_slots: torch.Tensor | None = None      # [num_tokens] int32 adapter slot of each token, -1 = none
+    lora_rows: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (slot, its token rows): torch path
 
 
-_metadata: AttentionMetadata | None = None
+_metadata: StepMetadata | None = None
 
 
-def set_attention_metadata(metadata: AttentionMetadata | None) -> None:
+def set_step_metadata(metadata: StepMetadata | None) -> None:
     global _metadata
     _metadata = metadata
 
 
-def get_attention_metadata() -> AttentionMetadata:
-    assert _metadata is not None, "forward called outside ModelRunner (no attention metadata set)"
+def get_step_metadata() -> StepMetadata:
+    assert _metadata is not None, "forward called outside ModelRunner (no step metadata set)"
     return _metadata

@@ -1,0 +1,93 @@
+"""LoRA adapters: the request that names one, and reading it from a PEFT directory.
+
+A LoRA adapter adds a low-rank update to some of the model's linear layers: for a layer with
+weight W, `y = x W^T + scaling * (x A^T) B^T`, with A [r, in], B [out, r], r small (8-64) and
+`scaling = lora_alpha / r` (`lora_alpha / sqrt(r)` with rsLoRA). `peft`'s `save_pretrained`
+writes it as `adapter_config.json` + `adapter_model.safetensors`, one lora_A / lora_B pair per
+targeted module (`base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight`, ...).
+
+An adapter is checked when its first request comes in, from the config and the tensor headers
+(no tensor is read): every tensor must target a layer and module the model has, with the shape
+that module and the adapter's rank imply, so a bad adapter is a clear error before any work,
+never a crash mid-generation. Its weights are read from disk when the engine loads it into one
+of its GPU slots (layers/lora.py), which may happen again after it was evicted.
+"""
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+from safetensors import safe_open
+
+# PEFT's names of a decoder layer's linear modules
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+TENSOR_NAME = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight")
+UNSUPPORTED = ("use_dora", "modules_to_save", "rank_pattern", "alpha_pattern", "layers_to_transform", "lora_bias")
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    name: str
+    path: str
+
+
+@dataclass(frozen=True)
+class Adapter:
+    request: LoRARequest
+    rank: int
+    scaling: float
+
+
+def module_shapes(hf) -> dict[str, tuple[int, int]]:
+    """(out, in) features of each target module in the full (unsharded) model."""
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    q, kv, hidden, inter = hf.num_attention_heads * head_dim, hf.num_key_value_heads * head_dim, hf.hidden_size, \
+        hf.intermediate_size
+    return {"q_proj": (q, hidden), "k_proj": (kv, hidden), "v_proj": (kv, hidden), "o_proj": (hidden, q),
+            "gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}
+
+
+def read_adapter(request: LoRARequest, hf, max_rank: int) -> Adapter:
+    """Check a PEFT adapter directory against the model (config and tensor shapes); ValueError if
+    anything is wrong, naming the adapter."""
+    def fail(why: str):
+        raise ValueError(f"LoRA adapter {request.name!r} ({request.path}): {why}")
+    files = [os.path.join(request.path, f) for f in ("adapter_config.json", "adapter_model.safetensors")]
+    for file in files:
+        if not os.path.isfile(file):
+            fail(f"{os.path.basename(file)} not found")
+    with open(files[0]) as f:
+        cfg = json.load(f)
+    if cfg.get("peft_type", "LORA") != "LORA" or cfg.get("bias", "none") != "none":
+        fail(f"only plain LoRA without bias is supported (peft_type {cfg.get('peft_type')}, bias {cfg.get('bias')})")
+    if any(cfg.get(key) for key in UNSUPPORTED):
+        fail(f"{', '.join(k for k in UNSUPPORTED if cfg.get(k))} not supported")
+    rank = cfg["r"]
+    if not 1 <= rank <= max_rank:
+        fail(f"rank {rank} is above max_lora_rank={max_rank}")
+    shapes, pairs = module_shapes(hf), set()
+    with safe_open(files[1], framework="pt") as f:
+        for name in f.keys():
+            match = TENSOR_NAME.fullmatch(name)
+            if not match or match[2] not in TARGETS or int(match[1]) >= hf.num_hidden_layers:
+                fail(f"tensor {name} targets a module the model does not have")
+            out, inp = shapes[match[2]]
+            want = (rank, inp) if match[3] == "A" else (out, rank)
+            if tuple(f.get_slice(name).get_shape()) != want:
+                fail(f"tensor {name} has shape {tuple(f.get_slice(name).get_shape())}, expected {want} (rank {rank})")
+            pairs.add((name[:-len("A.weight")], match[3]))
+    if not pairs or len({p for p, _ in pairs}) * 2 != len(pairs):
+        fail("every targeted module needs both lora_A and lora_B, and at least one module")
+    return Adapter(request, rank, cfg["lora_alpha"] / (math.sqrt(rank) if cfg.get("use_rslora") else rank))
+
+
+def adapter_weights(adapter: Adapter):
+    """(layer index, module name, A [r, in], scaling * B [out, r]) for each targeted module."""
+    with safe_open(os.path.join(adapter.request.path, "adapter_model.safetensors"), framework="pt") as f:
+        for name in f.keys():
+            match = TENSOR_NAME.fullmatch(name)
+            if match[3] == "A":
+                b = f.get_tensor(name.replace("lora_A", "lora_B"))
+                yield int(match[1]), match[2], f.get_tensor(name), adapter.scaling * b.to(torch.float32)
