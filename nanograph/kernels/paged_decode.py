@@ -8,19 +8,23 @@ cached plus its new token, the last one. Keys are found through
 ``block_tables[b]``: key j lives in block ``block_tables[b, j // block_size]``
 at offset ``j % block_size``.
 
-Two kernels share the split-KV scheme below:
-- ``_fused_decode_kernel`` (batch <= FUSED_MAX_BATCH). At batch 1 each kernel of
-  the chain costs a dependent launch, and attention's own first step - reading a
-  K/V tile from DRAM - had to wait for the kernel that stored the new key. Here
-  every program rotates its queries itself (a few hundred bytes), the program
-  whose range holds the new token rotates its key, writes it and its value into
-  the cache for later steps, and splices them into its tile from registers. So
-  nothing it reads from the cache was written by the kernels before it, and its
-  first tile is loaded *before* waiting for them (pdl.py).
-- ``_decode_split_kernel`` (larger batches), after kv_store.rotate_and_store: with
-  hundreds of programs in flight there is no latency to hide, and the fused
-  kernel's extra registers cost more than the launch it saves (measured with 4
-  warps: batch 64 at context 512 took 2.96 ms per step fused, 2.46 ms split).
+One kernel, ``_decode_kernel``, has two paths, chosen by its ``FUSED`` constexpr (each
+compiles to its own specialization, so neither carries the other's code):
+- fused (batch <= FUSED_MAX_BATCH). At batch 1 each kernel of the chain costs a
+  dependent launch, and attention's own first step - reading a K/V tile from
+  DRAM - had to wait for the kernel that stored the new key. Here every program
+  rotates its queries itself (a few hundred bytes), the program whose range
+  holds the new token rotates its key, writes it and its value into the cache
+  for later steps, and splices them into its tile from registers. So nothing it
+  reads from the cache was written by the kernels before it, and its first tile
+  is loaded *before* waiting for them (pdl.py).
+- split (larger batches), after kv_store.rotate_and_store: q is already rotated
+  and every key is in the cache, so the program waits as soon as it has its
+  context length. With hundreds of programs in flight there is no latency to
+  hide, and the fused path's extra registers cost more than the launch it saves
+  (measured with 4 warps: batch 64 at context 512 took 2.96 ms per step fused,
+  2.46 ms split).
+Both share the program setup, the split-KV plan, the idle-split exit and the merge below.
 
 GQA grouping. The ``G = Hq // Hkv`` query heads of one KV head read exactly the
 same keys, so one program handles the whole group: it loads each K/V tile once
@@ -72,10 +76,10 @@ from nanograph.kernels.kv_store import norm_rotate, rotate_and_store
 from nanograph.kernels.pdl import launch_options, wait_for_previous_kernel
 from nanograph.kernels.tiles import load_kv_tile, online_softmax_step, tile_offsets
 
-# Launch shape of the split kernel, measured with tools/tune_decode.py (H100, batch 256, context 1024).
+# Launch shape of the split path, measured with tools/tune_decode.py (H100, batch 256, context 1024).
 KEYS_PER_TILE, NUM_WARPS, NUM_STAGES = 64, 4, 2
 FUSED_MAX_BATCH = 4  # the batch sizes whose decode step is a latency-bound kernel chain
-# The fused kernel holds more per program (rotary halves, the new row); with 4 warps a batch-1
+# The fused path holds more per program (rotary halves, the new row); with 4 warps a batch-1
 # step took 0.72 ms, with 8 warps 0.66 ms (H100, Qwen3-0.6B shape, context 512).
 FUSED_NUM_WARPS = 8
 
@@ -145,118 +149,89 @@ def _attend_tile(q1, q2, k1, k2, v, k_new1, k_new2, v_new, tile, new_key, contex
 
 
 @triton.jit
-def _fused_decode_kernel(
+def _decode_kernel(
     q_ptr, k_ptr, v_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, q_w_ptr, k_w_ptr, eps,
     k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
     o_part_ptr, lse_ptr, arrivals_ptr, out_ptr, scale, num_splits,
     stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_rope,
     stride_cache_block, stride_cache_slot, stride_cache_head, stride_bt, stride_ob, stride_oh, half,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    HALF_PAD: tl.constexpr, D_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, HAS_NORM: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+    FUSED: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, HALF_PAD: tl.constexpr, D_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    HAS_NORM: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
+    """FUSED: q, k, v as the projection made them, normed, rotated and stored here. Otherwise q is
+    already rotated and every key, the new one too, is in the cache: the rotary and new-token
+    arguments (k, v, positions, slots, cos, sin, weights) go unused."""
+    seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = tl.arange(0, GROUP_PAD)
     heads = kv_head * GROUP + rows  # query heads of this group, [GROUP_PAD]
     row_mask = rows < GROUP
     dims = tl.arange(0, D_PAD)
+    dim_mask = dims < 2 * half
     out_ptrs = out_ptr + seq * stride_ob + heads[:, None] * stride_oh + dims[None, :]
-    out_mask = row_mask[:, None] & (dims < 2 * half)[None, :]
+    out_mask = row_mask[:, None] & dim_mask[None, :]
 
-    # Up to the wait: step inputs and cache rows of earlier steps, nothing a kernel before us writes.
+    # Fused, up to the wait: step inputs and cache rows of earlier steps, nothing a kernel before
+    # us writes. Split: q was written by rotate_and_store, so wait at once.
     context_len = tl.load(context_lens_ptr + seq)
+    if not FUSED:
+        wait_for_previous_kernel(PDL)
     num_tiles = tl.cdiv(context_len, BLOCK_N)
     tiles_per_split = tl.cdiv(num_tiles, num_splits)
     tile_begin = split * tiles_per_split
     if tile_begin >= num_tiles:  # nothing to do (context shorter than the splits, or a padded row)
-        wait_for_previous_kernel(PDL)
+        if FUSED:
+            wait_for_previous_kernel(PDL)
         if num_tiles == 0 and split == 0:  # a padded row (context 0): zero output
             tl.store(out_ptrs, tl.zeros([GROUP_PAD, D_PAD], out_ptr.dtype.element_ty), mask=out_mask)
         return
     tile_end = tl.minimum(tile_begin + tiles_per_split, num_tiles)
-    half_dims = tl.arange(0, HALF_PAD)[None, :]
-    pos = tl.load(pos_ptr + seq)
-    cos = tl.load(cos_ptr + pos * stride_rope + half_dims, mask=half_dims < half)  # [1, HALF_PAD]
-    sin = tl.load(sin_ptr + pos * stride_rope + half_dims, mask=half_dims < half)
-    k1, k2, v = _load_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, tile_begin, kv_head, context_len, half,
-                           stride_bt, stride_cache_block, stride_cache_slot, stride_cache_head,
-                           BLOCK_SIZE, BLOCK_N, HALF_PAD, D_PAD)
-    wait_for_previous_kernel(PDL)
-
-    q1, q2 = norm_rotate(q_ptr + seq * stride_qb + kv_head * GROUP * stride_qh, stride_qh, GROUP, q_w_ptr, eps,
-                         cos, sin, half, HAS_NORM, GROUP_PAD, HALF_PAD)
-    k_new1, k_new2 = norm_rotate(k_ptr + seq * stride_kb + kv_head * stride_kh, stride_kh, 1, k_w_ptr, eps,
-                                 cos, sin, half, HAS_NORM, 1, HALF_PAD)  # [1, HALF_PAD] each
-    v_new = tl.load(v_ptr + seq * stride_vb + kv_head * stride_vh + dims[None, :], mask=dims[None, :] < 2 * half)
-    new_key = context_len - 1
-    slot = tl.load(slot_ptr + seq).to(tl.int64)  # int64: slot * stride exceeds 2**31 in big caches
-    if (tile_end * BLOCK_N > new_key) & (slot >= 0):  # the new token is ours: cache it for later steps
-        dst = slot * stride_cache_slot + kv_head * stride_cache_head
-        tl.store(k_cache_ptr + dst + half_dims, k_new1, mask=half_dims < half)
-        tl.store(k_cache_ptr + dst + half + half_dims, k_new2, mask=half_dims < half)
-        tl.store(v_cache_ptr + dst + dims[None, :], v_new, mask=dims[None, :] < 2 * half)
-
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)  # running max
     l_i = tl.zeros([GROUP_PAD], tl.float32)  # running sum of exp
     acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
-    for tile in range(tile_begin, tile_end):
-        if tile > tile_begin:  # the first tile was loaded before the wait
-            k1, k2, v = _load_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, tile, kv_head, context_len,
-                                   half, stride_bt, stride_cache_block, stride_cache_slot, stride_cache_head,
-                                   BLOCK_SIZE, BLOCK_N, HALF_PAD, D_PAD)
-        m_i, l_i, acc = _attend_tile(q1, q2, k1, k2, v, k_new1, k_new2, v_new, tile, new_key, context_len, scale,
-                                     m_i, l_i, acc, BLOCK_N, DOT_PRECISION)
-    _store_partial_and_merge(acc, m_i, l_i, seq, kv_head, split, num_splits, tl.cdiv(num_tiles, tiles_per_split),
-                             heads, row_mask, dims, o_part_ptr, lse_ptr, arrivals_ptr, out_ptrs, out_mask,
-                             D_PAD, GROUP, GROUP_PAD, SPLITS_PAD)
 
+    if FUSED:
+        half_dims = tl.arange(0, HALF_PAD)[None, :]
+        pos = tl.load(pos_ptr + seq)
+        cos = tl.load(cos_ptr + pos * stride_rope + half_dims, mask=half_dims < half)  # [1, HALF_PAD]
+        sin = tl.load(sin_ptr + pos * stride_rope + half_dims, mask=half_dims < half)
+        k1, k2, v = _load_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, tile_begin, kv_head, context_len,
+                               half, stride_bt, stride_cache_block, stride_cache_slot, stride_cache_head,
+                               BLOCK_SIZE, BLOCK_N, HALF_PAD, D_PAD)
+        wait_for_previous_kernel(PDL)
 
-@triton.jit
-def _decode_split_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-    o_part_ptr, lse_ptr, arrivals_ptr, out_ptr, scale, num_splits,
-    stride_qb, stride_qh, stride_cache_block, stride_cache_slot, stride_cache_head, stride_bt, stride_ob, stride_oh,
-    head_dim, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    D_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
-):
-    """The same split-KV attention over an already rotated q, all keys (the new one too) in the cache."""
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    rows = tl.arange(0, GROUP_PAD)
-    heads = kv_head * GROUP + rows
-    row_mask = rows < GROUP
-    dims = tl.arange(0, D_PAD)
-    dim_mask = dims < head_dim
-    out_ptrs = out_ptr + seq * stride_ob + heads[:, None] * stride_oh + dims[None, :]
-    out_mask = row_mask[:, None] & dim_mask[None, :]
+        q1, q2 = norm_rotate(q_ptr + seq * stride_qb + kv_head * GROUP * stride_qh, stride_qh, GROUP, q_w_ptr,
+                             eps, cos, sin, half, HAS_NORM, GROUP_PAD, HALF_PAD)
+        k_new1, k_new2 = norm_rotate(k_ptr + seq * stride_kb + kv_head * stride_kh, stride_kh, 1, k_w_ptr, eps,
+                                     cos, sin, half, HAS_NORM, 1, HALF_PAD)  # [1, HALF_PAD] each
+        v_new = tl.load(v_ptr + seq * stride_vb + kv_head * stride_vh + dims[None, :], mask=dim_mask[None, :])
+        new_key = context_len - 1
+        slot = tl.load(slot_ptr + seq).to(tl.int64)  # int64: slot * stride exceeds 2**31 in big caches
+        if (tile_end * BLOCK_N > new_key) & (slot >= 0):  # the new token is ours: cache it for later steps
+            dst = slot * stride_cache_slot + kv_head * stride_cache_head
+            tl.store(k_cache_ptr + dst + half_dims, k_new1, mask=half_dims < half)
+            tl.store(k_cache_ptr + dst + half + half_dims, k_new2, mask=half_dims < half)
+            tl.store(v_cache_ptr + dst + dims[None, :], v_new, mask=dim_mask[None, :])
 
-    context_len = tl.load(context_lens_ptr + seq)
-    wait_for_previous_kernel(PDL)
-    num_tiles = tl.cdiv(context_len, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_tiles, num_splits)
-    tile_begin = split * tiles_per_split
-    if tile_begin >= num_tiles:
-        if num_tiles == 0 and split == 0:
-            tl.store(out_ptrs, tl.zeros([GROUP_PAD, D_PAD], out_ptr.dtype.element_ty), mask=out_mask)
-        return
-    q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + dims[None, :], mask=out_mask, other=0.0)
-
-    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
-    for tile in range(tile_begin, tl.minimum(tile_begin + tiles_per_split, num_tiles)):
-        # BLOCK_N divides BLOCK_SIZE, so the whole tile sits in one cache block.
-        keys = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        block = tl.load(block_tables_ptr + seq * stride_bt + tile * BLOCK_N // BLOCK_SIZE)
-        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, block, keys, kv_head, dims,
-                            (keys < context_len)[:, None] & dim_mask[None, :],
-                            stride_cache_block, stride_cache_slot, stride_cache_head, BLOCK_SIZE)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
-        scores = tl.where((keys < context_len)[None, :], scores, float("-inf"))
-        m_i, l_i, acc = online_softmax_step(scores, v, m_i, l_i, acc, DOT_PRECISION)
+        for tile in range(tile_begin, tile_end):
+            if tile > tile_begin:  # the first tile was loaded before the wait
+                k1, k2, v = _load_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, tile, kv_head, context_len,
+                                       half, stride_bt, stride_cache_block, stride_cache_slot, stride_cache_head,
+                                       BLOCK_SIZE, BLOCK_N, HALF_PAD, D_PAD)
+            m_i, l_i, acc = _attend_tile(q1, q2, k1, k2, v, k_new1, k_new2, v_new, tile, new_key, context_len,
+                                         scale, m_i, l_i, acc, BLOCK_N, DOT_PRECISION)
+    else:
+        q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + dims[None, :], mask=out_mask, other=0.0)
+        for tile in range(tile_begin, tile_end):
+            # BLOCK_N divides BLOCK_SIZE, so the whole tile sits in one cache block.
+            keys = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+            block = tl.load(block_tables_ptr + seq * stride_bt + tile * BLOCK_N // BLOCK_SIZE)
+            k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, block, keys, kv_head, dims,
+                                (keys < context_len)[:, None] & dim_mask[None, :],
+                                stride_cache_block, stride_cache_slot, stride_cache_head, BLOCK_SIZE)
+            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
+            scores = tl.where((keys < context_len)[None, :], scores, float("-inf"))
+            m_i, l_i, acc = online_softmax_step(scores, v, m_i, l_i, acc, DOT_PRECISION)
     _store_partial_and_merge(acc, m_i, l_i, seq, kv_head, split, num_splits, tl.cdiv(num_tiles, tiles_per_split),
                              heads, row_mask, dims, o_part_ptr, lse_ptr, arrivals_ptr, out_ptrs, out_mask,
                              D_PAD, GROUP, GROUP_PAD, SPLITS_PAD)
@@ -303,28 +278,22 @@ def paged_decode_attention(q, k, v, positions, slot_mapping, cos, sin, q_weight,
     o_part = torch.empty(batch, num_q_heads, num_splits, d_pad, dtype=torch.float32, device=q.device)
     lse = torch.empty(batch, num_q_heads, num_splits, dtype=torch.float32, device=q.device)
     out = torch.empty(batch, num_q_heads, head_dim, dtype=q.dtype, device=q.device)
-    scratch = (o_part, lse, _arrival_counters(q.device, batch * num_kv_heads), out, scale, num_splits)
-    shape = dict(GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size,
-                 BLOCK_N=block_n, D_PAD=d_pad, SPLITS_PAD=triton.next_power_of_2(num_splits),
-                 # float32 inputs get exact products (not TF32) to match a float32 reference.
-                 DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-                 num_warps=NUM_WARPS, num_stages=NUM_STAGES, **launch_options(q.device))
-    grid = (batch, num_kv_heads, num_splits)
-    if batch > FUSED_MAX_BATCH:
+    fused = batch <= FUSED_MAX_BATCH
+    if not fused:
         q = rotate_and_store(q, k, v, positions, cos, sin, q_weight, k_weight, eps, k_cache, v_cache, slot_mapping)
-        _decode_split_kernel[grid](
-            q, k_cache, v_cache, block_tables, context_lens, *scratch,
-            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-            out.stride(0), out.stride(1), head_dim, **shape)
-        return out
     assert k.stride(-1) == 1 and v.stride(-1) == 1 and cos.stride(-1) == 1 and head_dim % 2 == 0
     has_norm = q_weight is not None
-    _fused_decode_kernel[grid](
+    _decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k, v, positions, slot_mapping, cos, sin, q_weight if has_norm else cos, k_weight if has_norm else cos,
-        eps, k_cache, v_cache, block_tables, context_lens, *scratch,
+        eps, k_cache, v_cache, block_tables, context_lens,
+        o_part, lse, _arrival_counters(q.device, batch * num_kv_heads), out, scale, num_splits,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1), head_dim // 2,
-        HALF_PAD=max(16, triton.next_power_of_2(head_dim // 2)), HAS_NORM=has_norm,
-        **(shape | dict(num_warps=FUSED_NUM_WARPS)))
+        FUSED=fused, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size,
+        BLOCK_N=block_n, HALF_PAD=max(16, triton.next_power_of_2(head_dim // 2)), D_PAD=d_pad,
+        SPLITS_PAD=triton.next_power_of_2(num_splits), HAS_NORM=has_norm,
+        # float32 inputs get exact products (not TF32) to match a float32 reference.
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=FUSED_NUM_WARPS if fused else NUM_WARPS, num_stages=NUM_STAGES, **launch_options(q.device))
     return out
