@@ -26,7 +26,7 @@ class Config:
     num_kvcache_blocks: int | None = None      # None: as many as memory allows
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
-    cuda_graph_max_bs: int | None = None       # None: sized from free memory; 0: no graphs
+    cuda_graph_max_bs: int | None = None       # None: min(max_num_seqs, 512); 0: no graphs
     cuda_graph_sizes: list[int] | None = None  # explicit bucket ladder (default: see cuda_graph.py)
     attention_backend: str = "auto"            # auto | flash_attn | triton | torch
     enable_prefix_caching: bool = True
@@ -42,21 +42,19 @@ class Config:
 
     def __post_init__(self):
         self.device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        if self.load_format not in ("auto", "dummy"):
-            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        for name, allowed in (("load_format", ("auto", "dummy")),
+                              ("attention_backend", ("auto", "flash_attn", "triton", "torch"))):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         bs = self.kvcache_block_size
         if bs < 16 or bs > 256 or bs & (bs - 1):
             raise ValueError(f"kvcache_block_size must be a power of two in [16, 256], got {bs}")
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "max_loras",
-                     "max_lora_rank"):
-            if getattr(self, name) < 1:
+                     "max_lora_rank", "num_kvcache_blocks"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.num_kvcache_blocks is not None and self.num_kvcache_blocks < 1:
-            raise ValueError(f"num_kvcache_blocks must be >= 1, got {self.num_kvcache_blocks}")
-        if self.attention_backend not in ("auto", "flash_attn", "triton", "torch"):
-            raise ValueError(f"attention_backend must be auto, flash_attn, triton or torch, got {self.attention_backend!r}")
         if self.attention_backend == "flash_attn" and bs != 256:
             raise ValueError(f"attention_backend='flash_attn' needs kvcache_block_size=256, got {bs}")
         if self.cuda_graph_sizes is not None and (not self.cuda_graph_sizes or min(self.cuda_graph_sizes) < 1):

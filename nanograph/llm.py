@@ -54,7 +54,6 @@ class LLM:
         self.tokenizer = None
         if any(os.path.exists(os.path.join(config.model_dir, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
             self.tokenizer = AutoTokenizer.from_pretrained(config.model_dir)
-        self.eos_ids = self._eos_ids()
         if config.tensor_parallel_size > 1:
             from nanograph.engine.tp import TensorParallelRunner
             self.runner = TensorParallelRunner(config)
@@ -63,23 +62,20 @@ class LLM:
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.kvcache_block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   frozenset(self.eos_ids), config.max_model_len, config.max_loras,
+                                   self._eos_ids(), config.max_model_len, config.max_loras,
                                    tuple(rank_buckets(config.max_lora_rank)))
         self.adapters: dict[LoRARequest, Adapter] = {}
         self.seq_ids = count()
         self.closed = False
 
-    def _eos_ids(self) -> set[int]:
-        ids = self.config.hf_config.eos_token_id
-        try:
-            gen_ids = GenerationConfig.from_pretrained(self.config.model_dir).eos_token_id
-        except OSError:
-            gen_ids = None
-        found = set()
-        for value in (ids, gen_ids, self.tokenizer.eos_token_id if self.tokenizer else None):
-            if value is not None:
-                found.update(value if isinstance(value, list) else [value])
-        return found
+    def _eos_ids(self) -> frozenset[int]:
+        """From the model's config, its generation config and its tokenizer, whichever exist."""
+        model_dir = self.config.model_dir
+        gen = os.path.exists(os.path.join(model_dir, "generation_config.json")) and GenerationConfig.from_pretrained(
+            model_dir)
+        values = (self.config.hf_config.eos_token_id, gen and gen.eos_token_id,
+                  self.tokenizer and self.tokenizer.eos_token_id)
+        return frozenset(i for v in values if v is not None for i in (v if isinstance(v, list) else [v]))
 
     def close(self) -> None:
         """Free the device memory (and with tensor parallelism, the workers) now, not at garbage
@@ -138,7 +134,8 @@ class LLM:
         return self.adapters[request]
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True, lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[dict]:
+                 use_tqdm: bool = True, lora_request: LoRARequest | list[LoRARequest | None] | None = None,
+                 ) -> list[dict]:
         if self.closed:
             raise RuntimeError("this LLM has been closed")
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):

@@ -8,8 +8,9 @@ Prefix caching: once a block is full *and its K/V computed*, it is registered un
 its tokens chained with the previous block's hash (xxhash64). Chaining makes the hash name the
 whole prefix, so equal hashes mean equal prefixes (the tokens are compared too, to be safe
 against collisions). A sequence with a LoRA adapter starts its chain from a hash of the adapter
-instead of 0: its K/V differ from the base model's for the same tokens, so they share nothing. A new sequence walks its full prompt blocks and shares every registered
-block it finds (ref_count += 1) instead of recomputing it. Blocks are registered after the step
+instead of 0: its K/V differ from the base model's for the same tokens, so they share nothing.
+A new sequence walks its full prompt blocks and shares every registered block it finds
+(ref_count += 1) instead of recomputing it. Blocks are registered after the step
 that computes them, never at allocation: a chunked prefill must not lend out a block whose K/V
 is still garbage.
 

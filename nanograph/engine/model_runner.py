@@ -25,13 +25,11 @@ import torch.distributed as dist
 from nanograph.config import Config
 from nanograph.engine.cuda_graph import CudaGraphRunner
 from nanograph.engine.scheduler import Batch
-from nanograph.engine.sequence import Sequence
 from nanograph.engine.step import StepInput, build_step, resolve_input_ids
 from nanograph.layers.attention import resolve_backend
 from nanograph.layers.lora import add_lora_buffers, load_adapter
 from nanograph.layers.sampler import SamplingBatch, sample
 from nanograph.models.decoder import DecoderForCausalLM
-from nanograph.sampling_params import SamplingParams
 from nanograph.utils.context import StepMetadata, set_step_metadata
 from nanograph.utils.loader import init_dummy_weights, load_weights
 
@@ -123,13 +121,13 @@ class ModelRunner:
         enough for it, and return the activation memory it peaked at."""
         tokens = self.config.max_num_batched_tokens
         num_seqs = max(1, min(self.config.max_num_seqs, tokens // self.config.max_model_len))
-        blocks_per_seq = -(-tokens // num_seqs // self.block_size) + 1
-        self.bind_kv_cache(num_seqs * blocks_per_seq)
-        seqs = [Sequence(s, [0] * (tokens // num_seqs), SamplingParams(), self.block_size, "cpu")
-                for s in range(num_seqs)]
-        for s, seq in enumerate(seqs):
-            seq.block_table = list(range(s * blocks_per_seq, (s + 1) * blocks_per_seq))
-        step = build_step(Batch(seqs, True, [0] * num_seqs, [len(s) for s in seqs], [True] * num_seqs), self.block_size)
+        n = tokens // num_seqs  # tokens per sequence, each sequence on its own consecutive blocks
+        blocks = -(-n // self.block_size)
+        self.bind_kv_cache(num_seqs * blocks)
+        slots = [s * blocks * self.block_size + p for s in range(num_seqs) for p in range(n)]
+        step = StepInput(True, [0] * n * num_seqs, list(range(n)) * num_seqs, slots,
+                         [n] * num_seqs, [list(range(s * blocks, (s + 1) * blocks)) for s in range(num_seqs)],
+                         list(range(0, n * num_seqs + 1, n)))
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
@@ -198,9 +196,8 @@ class ModelRunner:
         self.share_tokens(rows)
         tokens = torch.empty(rows, dtype=torch.int64, pin_memory=self.device.type == "cuda")
         tokens.copy_(self.last_tokens[:rows], non_blocking=True)
-        done = None
-        if self.device.type == "cuda":
-            done = torch.cuda.Event()
+        done = torch.cuda.Event() if self.device.type == "cuda" else None
+        if done is not None:
             done.record()
         return InFlight(batch, tokens, done)
 

@@ -12,10 +12,10 @@ tensor-parallel LLM need the usual `if __name__ == "__main__":` guard.
 What is sent each step, and how. The rank-0 runner is a `ModelRunner` whose `forward` first
 sends the step's `StepInput` to the workers as int32 tensors (a header of lengths, then the
 lists back to back: two gloo broadcasts, no pickle; only the rare LoRA adapter loads follow as a
-small pickled list) over a second, gloo-only process group: the control group. The workers run the same `forward` on their shard.
-Only rank 0 samples; it broadcasts the sampled ids on the device (one small NCCL broadcast),
-because the next step's placeholder tokens (step.py) are resolved on every rank from its own
-copy of them. (Sampling on every rank from the all-gathered logits would also work, but every
+small pickled list) over a second, gloo-only process group: the control group. The workers
+run the same `forward` on their shard. Only rank 0 samples; it broadcasts the sampled ids on
+the device (one small NCCL broadcast), because the next step's placeholder tokens (step.py)
+are resolved on every rank from its own copy of them. (Sampling on every rank from the all-gathered logits would also work, but every
 rank would then need every request's seeded generator, in step.) With overlap scheduling rank 0
 sends step N+1 while the GPUs still run step N, and a worker queues it at once: nothing on
 either side waits for the GPU. One message per step keeps the ranks in lockstep by

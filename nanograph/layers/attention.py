@@ -21,12 +21,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanograph.layers.rotary import norm_and_rotate
 from nanograph.utils.context import StepMetadata, get_step_metadata
 
 
 def torch_rotate_and_store(q, k, v, positions, rotary, k_cache, v_cache, slot_mapping):
-    rope, q_norm, k_norm = rotary
-    q, k = rope(positions, q, k, q_norm, k_norm)
+    q, k = norm_and_rotate(q, k, positions, *rotary)
     keep = slot_mapping >= 0
     k_cache.view(-1, *k.shape[1:])[slot_mapping[keep]] = k[keep]
     v_cache.view(-1, *v.shape[1:])[slot_mapping[keep]] = v[keep]
@@ -69,23 +69,15 @@ def triton_prefill(q, k_cache, v_cache, md: StepMetadata, scale: float) -> torch
                                    md.max_seqlen_q, scale)
 
 
-def rotary_tables(rotary) -> tuple:
-    """(cos, sin, q_weight, k_weight, eps): what the Triton kernels take for rotary and qk-norm."""
-    rope, q_norm, k_norm = rotary
-    if q_norm is None:
-        return rope.cos, rope.sin, None, None, 0.0
-    return rope.cos, rope.sin, q_norm.weight, k_norm.weight, q_norm.eps
-
-
 def triton_rotate_and_store(q, k, v, positions, rotary, k_cache, v_cache, slot_mapping):
     from nanograph.kernels.kv_store import rotate_and_store
-    return rotate_and_store(q, k, v, positions, *rotary_tables(rotary), k_cache, v_cache, slot_mapping)
+    return rotate_and_store(q, k, v, positions, *rotary, k_cache, v_cache, slot_mapping)
 
 
 def triton_rotate_store_and_decode(q, k, v, positions, rotary, k_cache, v_cache, md: StepMetadata,
                                    scale: float) -> torch.Tensor:
     from nanograph.kernels.paged_decode import paged_decode_attention
-    return paged_decode_attention(q, k, v, positions, md.slot_mapping, *rotary_tables(rotary), k_cache, v_cache,
+    return paged_decode_attention(q, k, v, positions, md.slot_mapping, *rotary, k_cache, v_cache,
                                   md.block_tables, md.context_lens, scale)
 
 
@@ -138,7 +130,9 @@ class Attention(nn.Module):
     def __init__(self, head_dim: int, scale: float, rope, q_norm=None, k_norm=None):
         super().__init__()
         self.head_dim, self.scale = head_dim, scale
-        self.rotary = (rope, q_norm, k_norm)  # a tuple: the parent module owns (and loads) them
+        # (cos, sin, q_weight, k_weight, eps): what every backend takes for rotary and qk-norm. The
+        # parent module owns these tensors; the loader fills the weights in place.
+        self.rotary = (rope.cos, rope.sin) + ((q_norm.weight, k_norm.weight, q_norm.eps) if q_norm else (None, None, 0.0))
         self.backend = "torch"
         self.k_cache = self.v_cache = torch.empty(0)  # bound to the cache by ModelRunner
 

@@ -56,8 +56,3 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(torch.arange(max_position).float(), rope_frequencies(head_dim, rope))
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_norm=None, k_norm=None):
-        if q_norm is None:
-            return norm_and_rotate(q, k, positions, self.cos, self.sin, None, None, 0.0)
-        return norm_and_rotate(q, k, positions, self.cos, self.sin, q_norm.weight, k_norm.weight, q_norm.eps)

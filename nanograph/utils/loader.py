@@ -13,7 +13,7 @@ unfilled keeps whatever memory it got, and the model answers with plausible-look
 So every tensor the model needs must be in the files (each of q, k and v for a fused one), every
 tensor in the files must have a place (only rotary caches and the second copy of a tied LM head
 are known to be unused), shapes must match, and an unreadable file or absent shard is named.
-Each tensor-parallel rank checks its own parameters.
+Each tensor-parallel rank checks its own parameters: its shares of a tensor must be cut out of it.
 """
 import glob
 import json
@@ -65,13 +65,6 @@ def expected_tensors(model: nn.Module) -> dict[str, tuple[nn.Parameter, object, 
     return expected
 
 
-def shape_fits(got: tuple, want: tuple) -> bool:
-    """With one rank the file holds exactly the model's tensor. With tensor parallelism a rank
-    expects only its own part, so the file may be larger along the one dimension that is split."""
-    larger = [g > w for g, w in zip(got, want) if g != w]  # per dimension where they differ: is the file larger?
-    return len(got) == len(want) and (not larger or tp_size() > 1 and larger == [True])
-
-
 def read_tensors(file: str):
     """(name, tensor) pairs of one .safetensors file, one at a time; an unreadable file is named."""
     try:
@@ -98,13 +91,12 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
             # a parameter without a weight_loader (a norm's weight) is not sharded: copied whole
             loader = getattr(param, "weight_loader", lambda p, loaded, shard_id: p.data.copy_(loaded))
             try:
-                if not shape_fits(tuple(tensor.shape), want):
+                if tp_size() == 1 and tuple(tensor.shape) != want:
                     raise RuntimeError
                 loader(param, tensor, shard)
-            except RuntimeError:  # the same error when, with tensor parallelism, this rank's slice does not fit
-                raise ValueError(f"{name} in {file!r} has shape {tuple(tensor.shape)}; " + (
-                    f"the model expects {want}" if tp_size() == 1 else
-                    f"tensor-parallel rank {tp_rank()} of {tp_size()} cannot cut its part {want} out of it")) from None
+            except RuntimeError:  # with tensor parallelism: the rank's part (its expected shape) does not fit
+                raise ValueError(f"{name} in {file!r} has shape {tuple(tensor.shape)}; the model expects {want}"
+                                 + (f" (rank {tp_rank()}'s part of {tp_size()})" if tp_size() > 1 else "")) from None
     unplaced = {n for n in seen - set(expected) - aliases if ".rotary_emb." not in n}  # rotary caches, tied head
     for what, names in (("checkpoint tensor(s) the model has no place for", unplaced),
                         ("tensor(s) the model needs, missing from the checkpoint", set(expected) - seen)):
