@@ -30,6 +30,13 @@ What it measures (each section is a flag; with none, only the reference run):
   intervals under torch.profiler / the span from the first to the last). The profiler slows the
   host, so those are calls of their own after the timed ones. The reference run's engine serves
   the mode it defaults to (on with CUDA); the other mode gets an engine of its own.
+- `--lora N` (`--lora-rank R`, default 16): multi-LoRA with N random adapters of rank R (all seven
+  projections, PEFT files in the run's temp dir). One decode step (forward only) at batches 1, 2,
+  4, ... 64 and the sweep's context: a base engine; a LoRA engine (max_loras=N, max_lora_rank=R)
+  on a batch without adapters; the same with every row on an adapter (round-robin). Then the
+  capture cost of the default ladder with max_lora_rank=64 next to a base engine's, and the
+  workload's first 64 sequences (at most 128 new tokens, greedy so that token ids compare)
+  through `generate` on each engine, with and without adapters.
 - `--shape a,b,c`: every section once per shape, one shape after the other in this process, each
   engine freed before the next one is built.
 
@@ -40,6 +47,10 @@ Why the numbers are comparable:
   their HF config.json values) with random weights: speed does not depend on the weights' values,
   and nothing has to be downloaded. Every engine builds the same shape from the same config.json,
   in the same dtype (bf16 on CUDA).
+- `--lora`'s two sweep engines are alive at once with the same ladder, KV cache and step inputs, and
+  the three columns are timed in turn (best of three rounds), so clock drift hits them alike; the
+  steps differ only in their adapter slots and rank bucket. A capture that compiled Triton kernels
+  (a first run on the machine) is reported apart and the engine built again.
 - Only the generation is timed: model building, KV-cache allocation, graph capture and a warm-up
   are outside the clock, for every engine alike (they are reported separately where they matter).
 - HF's `generate_batch` takes a single `max_new_tokens` for all requests, so bench drives its
@@ -54,6 +65,7 @@ the throughput bars (needs matplotlib).
 """
 import argparse
 import gc
+import glob
 import inspect
 import json
 import os
@@ -340,6 +352,7 @@ class Setup:
     workload: Workload
     warmup: Workload
     max_token_id: int
+    tmp: str  # the run's temporary directory (model configs, LoRA adapters)
 
     def llm(self, **overrides):
         from nanograph import LLM
@@ -388,24 +401,32 @@ def call_figures(before: dict, after: dict) -> dict:
     return out
 
 
-def time_generate(llm, workload: Workload, device: str) -> tuple[int, float]:
+def round_robin(adapters: list, n: int) -> list | None:
+    """lora_request for n prompts: the adapters in turn; None (every prompt on the base model) without any."""
+    return [adapters[i % len(adapters)] for i in range(n)] if adapters else None
+
+
+def time_generate(llm, workload: Workload, device: str, adapters: list = ()) -> tuple[list[list[int]], float]:
     params = workload.sampling_params()
     synchronize(device)
     start = time.perf_counter()
-    outs = llm.generate(workload.prompts, params, use_tqdm=False)
+    outs = llm.generate(workload.prompts, params, use_tqdm=False, lora_request=round_robin(adapters, workload.num_seqs))
     synchronize(device)
     seconds = time.perf_counter() - start
-    return sum(len(o["token_ids"]) for o in outs), seconds
+    return [o["token_ids"] for o in outs], seconds
 
 
-def measure_generate(llm, setup: Setup, workload: Workload) -> tuple[int, float, dict]:
-    """Warm up, then time one generate of the workload: (output tokens, seconds, its stats)."""
-    llm.generate(setup.warmup.prompts, setup.warmup.sampling_params(), use_tqdm=False)
+def measure_generate(llm, setup: Setup, workload: Workload, adapters: list = ()) -> tuple[list[list[int]], float, dict]:
+    """Warm up, then time one generate of the workload (the adapters round-robin over the
+    prompts, in both): (output token ids, seconds, its stats)."""
+    warm = setup.warmup
+    llm.generate(warm.prompts, warm.sampling_params(), use_tqdm=False,
+                 lora_request=round_robin(adapters, warm.num_seqs))
     before = counters(llm)
-    tokens, seconds = time_generate(llm, workload, setup.device)
+    outs, seconds = time_generate(llm, workload, setup.device, adapters)
     stats = dict(llm.stats(), overlap_scheduling=llm.config.overlap_scheduling)
     stats.update(call_figures(before, counters(llm)))
-    return tokens, seconds, stats
+    return outs, seconds, stats
 
 
 def overlap_probe(llm, setup: Setup) -> dict:
@@ -432,7 +453,8 @@ def run_nanograph(setup: Setup, label: str, workload: Workload, probe: bool = Fa
     print(f"  [{label}] building the engine, warming up, timing {workload.num_seqs} sequences ...", flush=True)
     llm = setup.llm(**overrides)
     try:
-        tokens, seconds, stats = measure_generate(llm, setup, workload)
+        outs, seconds, stats = measure_generate(llm, setup, workload)
+        tokens = sum(map(len, outs))
         probed = overlap_probe(llm, setup) if probe else {}
     finally:
         llm.close()
@@ -700,14 +722,13 @@ def per_token_latency(llm, setup: Setup, prompt_len: int, new_tokens: int, seed:
     return (many - one) / (new_tokens - 1) if many > one else None
 
 
-def sweep_engine(setup: Setup):
-    """One engine for the whole sweep: a graph for exactly each sweep size, and a KV cache just
+def sweep_engine(setup: Setup, sizes: list[int], **overrides):
+    """One engine for a whole sweep: a graph for exactly each sweep size, and a KV cache just
     big enough for the largest batch at the sweep's context length."""
-    sizes = sweep_sizes(setup.args.sweep_max_bs)
     block_size = 256  # the engine's default kvcache_block_size
     blocks = sizes[-1] * -(-setup.args.sweep_context_len // block_size)
     return setup.llm(num_kvcache_blocks=blocks, kvcache_block_size=block_size,
-                     cuda_graph_sizes=sizes if is_cuda(setup.device) else None)
+                     cuda_graph_sizes=sizes if is_cuda(setup.device) else None, **overrides)
 
 
 def measure_decode_sweep(llm, setup: Setup) -> dict:
@@ -776,15 +797,183 @@ def print_decode_sweep(sweep: dict, cuda: bool) -> None:
 def section_decode_sweep(setup: Setup) -> dict:
     sizes = sweep_sizes(setup.args.sweep_max_bs)
     print(f"  [decode sweep] batches {sizes}, context {setup.args.sweep_context_len} ...", flush=True)
-    llm = sweep_engine(setup)
-    try:
+    with sweep_engine(setup, sizes) as llm:
         sweep = measure_decode_sweep(llm, setup)
-    finally:
-        llm.close()
-        del llm
-        report_leftover_memory("the decode-sweep engine")
+    report_leftover_memory("the decode-sweep engine")
     print_decode_sweep(sweep, is_cuda(setup.device))
     return sweep
+
+
+# ---- multi-LoRA --------------------------------------------------------------------------------
+LORA_CAPTURE_RANK = 64      # the capture figures' max_lora_rank (issue 13's target)
+LORA_E2E = (64, 128)        # end-to-end: the workload's first 64 sequences, at most 128 new tokens each
+LORA_TARGETS = {"adapter_vs_base": 1.25, "no_adapter_vs_base": 1.03, "capture_seconds": 15.0,
+                "graph_memory_bytes": 2 * 2**30}  # Qwen3-0.6B shape on an H100, rank 16, batch <= 64
+
+
+def write_lora_adapters(model_dir: str, n: int, rank: int, dtype: str, root: str, std: float = 0.02) -> list:
+    """n PEFT adapter directories of rank `rank` for the model in model_dir, on all seven
+    projections of every layer: random weights of std `std` (0.02: as the dummy base weights),
+    lora_alpha = 2 rank. The values do not matter for speed, only for the token-id check."""
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    from nanograph.lora import TARGETS, LoRARequest, module_shapes
+    hf = AutoConfig.from_pretrained(model_dir)
+    shapes, requests = module_shapes(hf), []
+    for a in range(n):
+        gen, tensors = torch.Generator().manual_seed(100 + a), {}
+        for i in range(hf.num_hidden_layers):
+            for module in TARGETS:
+                out, inp = shapes[module]
+                block = "mlp" if module in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+                for ab, shape in (("A", (rank, inp)), ("B", (out, rank))):
+                    weight = (torch.randn(shape, generator=gen) * std).to(getattr(torch, dtype))
+                    tensors[f"base_model.model.model.layers.{i}.{block}.{module}.lora_{ab}.weight"] = weight
+        path = tempfile.mkdtemp(prefix=f"lora{a}-", dir=root)
+        save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+        with open(os.path.join(path, "adapter_config.json"), "w") as f:
+            json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(TARGETS),
+                       "bias": "none"}, f)
+        requests.append(LoRARequest(f"random-r{rank}-{a}", path))
+    return requests
+
+
+def lora_sweep_row(setup: Setup, base, lora, bs: int, rank: int, n: int) -> dict:
+    """One batch size: the base engine's step, the LoRA engine's without adapters, and with the
+    n adapters round-robin over the rows (slots 0..n-1), each the best of --lora's rounds."""
+    from dataclasses import replace
+    step = decode_step(bs, setup.args.sweep_context_len, base.block_size)
+    cases = {"base_ms": (base, step), "no_adapter_ms": (lora, step),
+             "adapter_ms": (lora, replace(step, lora_slots=[i % n for i in range(bs)], lora_rank=rank))}
+    best = dict.fromkeys(cases, float("inf"))
+    for _ in range(setup.args.lora_rounds):  # in turn: a drift of the clocks hits the three alike
+        for key, (runner, s) in cases.items():
+            best[key] = min(best[key], ms(time_forward(runner, s, setup.device, setup.args.sweep_iters)))
+    return {"batch": bs, **best, "no_adapter_vs_base": best["no_adapter_ms"] / best["base_ms"],
+            "adapter_vs_base": best["adapter_ms"] / best["base_ms"]}
+
+
+def measure_lora_sweep(setup: Setup, adapters: list) -> dict:
+    """A base engine and a LoRA engine (max_loras = the adapters, max_lora_rank = their rank), alive
+    together with the same ladder (= the sweep sizes) and KV cache, the adapters loaded in slots."""
+    from nanograph.layers.lora import load_adapter
+    from nanograph.lora import read_adapter
+    args = setup.args
+    sizes = ladder_sizes("pow2", min(64, args.sweep_max_bs))
+    rank = args.lora_rank  # the step's rank bucket: with max_lora_rank = R, R is a bucket (layers/lora.py)
+    with sweep_engine(setup, sizes) as base, sweep_engine(setup, sizes, enable_lora=True, max_loras=len(adapters),
+                                                           max_lora_rank=args.lora_rank) as lora:
+        for slot, request in enumerate(adapters):
+            load_adapter(lora.runner.model, slot, read_adapter(request, lora.config.hf_config, args.lora_rank))
+        rows = [lora_sweep_row(setup, base.runner, lora.runner, bs, rank, len(adapters)) for bs in sizes]
+    report_leftover_memory("the LoRA sweep engines")
+    return {"context_len": args.sweep_context_len, "iters": args.sweep_iters, "rounds": args.lora_rounds,
+            "rank_bucket": rank, "rows": rows}
+
+
+def triton_lora_compiles(device: str) -> int:
+    """The LoRA kernels' compiles in Triton's on-disk cache (one directory each); 0 on the CPU."""
+    if not is_cuda(device):
+        return 0
+    try:
+        from triton import knobs
+        root = knobs.cache.dir
+    except ImportError:  # Triton < 3.4
+        root = os.environ.get("TRITON_CACHE_DIR") or os.path.expanduser("~/.triton/cache")
+    return sum(len(glob.glob(os.path.join(root, "*", f"_{k}_kernel.json"))) for k in ("shrink", "expand"))
+
+
+def capture_engine(setup: Setup, label: str, capture: list, **overrides):
+    """An engine with the default ladder, its capture figures appended to `capture`. Built again if
+    Triton compiled LoRA kernels during its capture (a first run on this machine): the row the
+    targets read is the warm one, the first is kept apart."""
+    before = triton_lora_compiles(setup.device)
+    llm = setup.llm(**overrides)
+    compiles = triton_lora_compiles(setup.device) - before
+    stats = llm.stats()
+    capture.append({"engine": label + (", first build" if compiles else ""), "triton_lora_compiles": compiles,
+                    **{k: stats.get(k) for k in ("num_graphs", "capture_seconds", "graph_memory_bytes")}})
+    if compiles:
+        llm.close()
+        return capture_engine(setup, label, capture, **overrides)
+    return llm
+
+
+def measure_lora_engines(setup: Setup, adapters: list) -> tuple[list[dict], dict]:
+    """Capture figures of a base and a LoRA engine with the default ladder, and on each the
+    end-to-end line: greedy, so the token ids with and without adapters can be compared."""
+    n, new = LORA_E2E
+    head = setup.workload.head(n)
+    work = Workload(head.prompts, [min(t, new) for t in head.max_tokens], temperature=0.0)
+    capture, rows, tokens = [], [], []
+
+    def e2e(llm, label: str, lora: list = ()):
+        outs, seconds, stats = measure_generate(llm, setup, work, lora)
+        rows.append(RunResult(label, work.num_seqs, sum(map(len, outs)), seconds, stats=stats).to_dict())
+        tokens.append(outs)
+    with capture_engine(setup, "base", capture) as llm:
+        e2e(llm, "base engine")
+    report_leftover_memory("the base engine")
+    rank = max(LORA_CAPTURE_RANK, setup.args.lora_rank)
+    with capture_engine(setup, f"LoRA (max_loras {len(adapters)}, max_lora_rank {rank})", capture, enable_lora=True,
+                        max_loras=len(adapters), max_lora_rank=rank) as llm:
+        e2e(llm, "LoRA engine, no adapters")
+        e2e(llm, f"LoRA engine, {len(adapters)} adapters round-robin", adapters)
+    report_leftover_memory("the LoRA engine")
+    base, plain, lora = tokens
+    return capture, {"workload": work.summary(), "rows": rows,
+                     "changed_by_adapters": sum(a != b for a, b in zip(plain, lora)),
+                     "no_adapters_equal_base": sum(a == b for a, b in zip(plain, base))}
+
+
+def print_lora(report: dict, cuda: bool) -> None:
+    sweep, t = report["sweep"], LORA_TARGETS
+    print_table(f"Multi-LoRA decode step ({'graph' if cuda else 'CPU: eager'}, forward only), context "
+                f"{sweep['context_len']}, best of {sweep['rounds']} rounds of {sweep['iters']} steps; "
+                f"{report['adapters']} random adapters of rank {report['rank']} round-robin over the rows. Targets "
+                f"(Qwen3-0.6B shape, H100, rank 16): adapters / base <= {t['adapter_vs_base']}x, no adapters / base "
+                f"<= {t['no_adapter_vs_base']}x",
+                ["batch", "base ms", "LoRA engine, no adapters ms", "adapters ms", "no adapters / base",
+                 "adapters / base"],
+                [[x["batch"], cell(x["base_ms"]), cell(x["no_adapter_ms"]), cell(x["adapter_ms"]),
+                  cell(x["no_adapter_vs_base"], ".3f", "x"), cell(x["adapter_vs_base"], ".3f", "x")]
+                 for x in sweep["rows"]])
+    if cuda:
+        print_table(f"Graph capture, default ladder. Targets (the LoRA engine): capture <= {t['capture_seconds']:.0f} "
+                    f"s, graph memory <= {mib(t['graph_memory_bytes'])} MiB. A first build whose capture compiled "
+                    "LoRA kernels (Triton JIT, cached on disk for later runs) is shown apart",
+                    ["engine", "graphs", "capture s", "graph MiB", "LoRA kernel compiles"],
+                    [[c["engine"], c["num_graphs"], f"{c['capture_seconds']:.2f}", mib(c["graph_memory_bytes"]),
+                      c["triton_lora_compiles"]] for c in report["capture"]])
+    else:
+        print("\n(CPU: no CUDA graphs, capture figures skipped)")
+    e2e, w = report["e2e"], report["e2e"]["workload"]
+    print_table(f"Multi-LoRA end to end: the workload's first {w['num_seqs']} sequences, at most {LORA_E2E[1]} new "
+                f"tokens each, greedy ({w['output_tokens']:,} output tokens), default ladder",
+                ["engine", "output tokens", "seconds", "tok/s", "vs LoRA engine, no adapters"],
+                [[x["engine"], f"{x['output_tokens']:,}", f"{x['seconds']:.2f}", f"{x['tokens_per_s']:,.0f}",
+                  f"{x['tokens_per_s'] / e2e['rows'][1]['tokens_per_s']:.3f}x"] for x in e2e["rows"]])
+    print(f"  token ids: the adapters change {e2e['changed_by_adapters']} of {w['num_seqs']} sequences; without "
+          f"adapters the LoRA engine's equal the base engine's in {e2e['no_adapters_equal_base']} of {w['num_seqs']}")
+
+
+def section_lora(setup: Setup) -> dict:
+    args = setup.args
+    if args.tp > 1:
+        print("\n(--lora skipped: the sweep keeps two engines side by side, which needs --tp 1)")
+        return {"skipped": "needs --tp 1"}
+    print(f"  [LoRA] {args.lora} random adapters of rank {args.lora_rank}: sweep, capture, end to end ...", flush=True)
+    # --quick: 10x larger, or they would not change the tiny model's greedy tokens (its residual stream is
+    # mostly the token's embedding, so it repeats its last prompt token)
+    adapters = write_lora_adapters(setup.model_dir, args.lora, args.lora_rank, setup.dtype, setup.tmp,
+                                   std=0.2 if args.quick else 0.02)
+    report = {"adapters": args.lora, "rank": args.lora_rank, "targets": LORA_TARGETS,
+              "sweep": measure_lora_sweep(setup, adapters)}
+    capture, report["e2e"] = measure_lora_engines(setup, adapters)
+    report["capture"] = capture if is_cuda(setup.device) else {"skipped": "no CUDA graphs on the CPU"}
+    print_lora(report, is_cuda(setup.device))
+    return report
 
 
 # ---- plot --------------------------------------------------------------------------------------
@@ -876,7 +1065,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ladders", action="store_true", help="the workload under each bucket ladder")
     p.add_argument("--decode-sweep", action="store_true", help="decode-step latency vs batch size, graph vs eager")
     p.add_argument("--overlap", action="store_true", help="overlap scheduling on vs off: throughput, batch 1, GPU busy")
-    p.add_argument("--all", action="store_true", help="--decode-sweep --compare --ladders --overlap")
+    p.add_argument("--lora", type=int, default=0, metavar="N",
+                   help="multi-LoRA with N random adapters: decode sweep with/without adapters, capture, end to end")
+    p.add_argument("--lora-rank", type=int, default=16, metavar="R", help="the --lora adapters' rank (default 16)")
+    p.add_argument("--all", action="store_true", help="--decode-sweep --compare --ladders --overlap --lora 4")
     p.add_argument("--hf-seqs", type=int, default=32,
                    help="HF runs the first N sequences of the workload (default 32; 256 = all of it; 0 = skip HF)")
     p.add_argument("--hf-timeout", type=float, default=300.0, help="give up on HF after this many seconds")
@@ -886,12 +1078,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--json", help="write every figure to this JSON file")
     p.add_argument("--plot", help="write a PNG: decode latency vs batch and throughput bars (needs matplotlib)")
     args = p.parse_args(argv)
+    if args.lora < 0 or args.lora_rank < 1:
+        p.error("--lora N needs N >= 0 and --lora-rank R >= 1")
     if args.all:
         args.decode_sweep = args.compare = args.ladders = args.overlap = True
-    args.run_default = args.run or args.compare or args.overlap or not (args.ladders or args.decode_sweep)
+        args.lora = args.lora or 4
+    args.run_default = args.run or args.compare or args.overlap or not (args.ladders or args.decode_sweep or args.lora)
     args.sweep_max_bs = args.sweep_max_bs or (8 if args.quick else 256)
     args.sweep_context_len = args.sweep_context_len or (32 if args.quick else 512)
     args.sweep_iters = args.sweep_iters or (3 if args.quick else 20)
+    args.lora_rounds = 1 if args.quick else 3  # --lora sweep: best of this many rounds of the three columns
     args.bandwidth_mib = 64 if args.quick else 1024
     args.latency_lengths = (8, 16) if args.quick else (128, 128)  # batch-1 latency: prompt, new tokens
     if args.quick:
@@ -919,7 +1115,7 @@ def build_setup(args: argparse.Namespace, tmp: str, name: str) -> Setup:
         total = workload.output_tokens
         assert total == REFERENCE_OUTPUT_TOKENS, f"reference workload has {total} output tokens, not {REFERENCE_OUTPUT_TOKENS}"
     return Setup(args, name, model_dir, load_format, device, dtype, workload,
-                 warmup_workload(args.quick, max_token_id), max_token_id)
+                 warmup_workload(args.quick, max_token_id), max_token_id, tmp)
 
 
 def meta(setup: Setup, names: list[str]) -> dict:
@@ -943,6 +1139,8 @@ def run_sections(setup: Setup) -> dict:
         if args.overlap:
             report["overlap"] = {"rows": [r.to_dict() for r in section_overlap(setup, run)]}
         report["run"] = run.to_dict()  # after --compare, which sets its ratio
+    if args.lora:
+        report["lora"] = section_lora(setup)
     if args.ladders:
         if is_cuda(setup.device):
             report["ladders"] = {"rows": [r.to_dict() for r in section_ladders(setup)]}

@@ -170,3 +170,57 @@ def test_quick_decode_sweep_covers_several_shapes():
             assert r["graph_ms"] is None and r["eager_ms"] > 0  # CPU: no graphs
             kv = r["batch"] * sweep["context_len"] * b["kv_bytes_per_token"]
             assert r["floor_ms"] == pytest.approx((b["weight_bytes"] + kv) / b["copy_bandwidth_Bps"] * 1e3)
+
+
+def test_lora_adapters_are_peft_directories_the_engine_accepts(tmp_path):
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    from nanograph.lora import TARGETS, read_adapter
+    model = bench.write_model_dir("tiny", str(tmp_path))
+    hf = AutoConfig.from_pretrained(model)
+    requests = bench.write_lora_adapters(model, 2, 8, "bfloat16", str(tmp_path))
+    assert len({r.path for r in requests}) == 2
+    for request in requests:
+        adapter = read_adapter(request, hf, max_rank=8)  # config and every tensor's target and shape checked
+        assert adapter.rank == 8 and adapter.scaling == 2.0
+        with safe_open(os.path.join(request.path, "adapter_model.safetensors"), framework="pt") as f:
+            names = set(f.keys())
+            assert {f.get_tensor(name).dtype for name in names} == {bench.torch.bfloat16}
+        modules = {(int(name.split(".")[4]), name.split(".")[6]) for name in names}
+        assert modules == {(i, m) for i in range(hf.num_hidden_layers) for m in TARGETS}  # all seven, every layer
+        assert len(names) == 2 * len(modules)  # lora_A and lora_B each
+    with pytest.raises(ValueError, match="above max_lora_rank"):
+        read_adapter(requests[0], hf, max_rank=4)
+
+
+def test_lora_flags():
+    assert bench.parse_args(["--lora", "2"]).run_default is False  # --lora alone runs only its section
+    args = bench.parse_args(["--all"])
+    assert (args.lora, args.lora_rank) == (4, 16)
+    assert bench.parse_args(["--all", "--lora", "2", "--lora-rank", "8"]).lora == 2
+
+
+def test_quick_lora_section(tmp_path):
+    """--lora on the CPU: the sweep's three columns (eager), no capture figures, and the end-to-end
+    line, where the adapters change the greedy tokens and the LoRA engine without them does not."""
+    out = tmp_path / "b.json"
+    bench.main(["--quick", "--device", "cpu", "--lora", "2", "--lora-rank", "8", "--sweep-max-bs", "4",
+                "--sweep-iters", "1", "--json", str(out)])
+    shape = json.loads(out.read_text())["shapes"]["qwen3-0.6b"]
+    assert set(shape) == {"lora"}
+    lora = shape["lora"]
+    assert (lora["adapters"], lora["rank"], lora["sweep"]["rank_bucket"]) == (2, 8, 8)
+    rows = lora["sweep"]["rows"]
+    assert [r["batch"] for r in rows] == [1, 2, 4]
+    for r in rows:
+        assert min(r["base_ms"], r["no_adapter_ms"], r["adapter_ms"]) > 0
+        assert r["adapter_vs_base"] == pytest.approx(r["adapter_ms"] / r["base_ms"])
+        assert r["no_adapter_vs_base"] == pytest.approx(r["no_adapter_ms"] / r["base_ms"])
+    assert "skipped" in lora["capture"]  # no CUDA graphs on the CPU
+    e2e, work = lora["e2e"], bench.quick_workload()
+    assert [r["engine"] for r in e2e["rows"]] == ["base engine", "LoRA engine, no adapters",
+                                                  "LoRA engine, 2 adapters round-robin"]
+    assert all(r["output_tokens"] == work.output_tokens and r["tokens_per_s"] > 0 for r in e2e["rows"])
+    assert e2e["changed_by_adapters"] == work.num_seqs  # every sequence has an adapter, and it matters
+    assert e2e["no_adapters_equal_base"] == work.num_seqs  # float32 on the CPU: the same tokens

@@ -171,11 +171,11 @@ def test_mixed_batch_matches_peft_with_graphs(tiny_model, adapters, family):
     prompts = random_prompts([5 + 4 * i for i in range(11)], seed=15)
     loras = ([reqs["all16"], reqs["qv8"], None, reqs["mlp4"]] * 3)[:11]
     params = [SamplingParams(temperature=0, max_tokens=4 + 3 * i, ignore_eos=True) for i in range(11)]
-    llm = LLM(path, kvcache_block_size=16, enable_lora=True, max_loras=3, max_lora_rank=16, dtype="float32",
-              cuda_graph_sizes=[1, 2, 4, 8])
-    outs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+    with LLM(path, kvcache_block_size=16, enable_lora=True, max_loras=3, max_lora_rank=16, dtype="float32",
+             cuda_graph_sizes=[1, 2, 4, 8]) as llm:
+        outs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+        stats = llm.stats()
     expected = [peft_greedy(path, r, p, sp.max_tokens) for r, p, sp in zip(loras, prompts, params)]
     assert [o["token_ids"] for o in outs] == expected
-    stats = llm.stats()
     assert stats["lora_rank_buckets"] == [8, 16] and stats["num_graphs"] == 12
     assert len(stats["replays_per_lora_bucket"]) >= 3 and 0 < stats["graph_hit_rate"] < 1

@@ -66,5 +66,5 @@ def add_lora(x: torch.Tensor, y: torch.Tensor, layer) -> torch.Tensor:
     for slot, rows in md.lora_rows:
         h = torch.einsum("tk,prk->tpr", x[rows], layer.lora_a[slot, :, :rank])  # [rows, parts, rank]
         delta = torch.cat([h[:, p] @ layer.lora_b[slot, start:end, :rank].T for p, (start, end) in enumerate(parts)], 1)
-        y.index_add_(0, rows, delta)
+        y.index_put_((rows,), delta, accumulate=True)
     return y
