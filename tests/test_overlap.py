@@ -13,7 +13,7 @@ from nanograph import LLM, SamplingParams
 from nanograph.engine.block_manager import BlockManager
 from nanograph.engine.scheduler import Scheduler
 from nanograph.engine.sequence import Sequence, Status
-from nanograph.engine.step import build_step, resolve_input_ids
+from nanograph.engine.step import TokenTable, build_step
 from test_engine import assert_all_blocks_free, random_prompts
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -108,10 +108,12 @@ def test_placeholders_are_filled_and_late_stops_dropped():
     assert sched.block_manager.num_free_blocks == 8
 
 
-def test_resolve_input_ids_reads_placeholders_from_the_device():
-    last = torch.tensor([50, 51, 52])
-    ids = torch.tensor([7, -1, -3, 0, -2])
-    assert resolve_input_ids(ids, last).tolist() == [7, 50, 52, 0, 51]
+def test_token_table_resolves_placeholders_on_the_device():
+    table = TokenTable(vocab_size=10, max_rows=4, device="cpu")
+    ids = torch.tensor([7, -1, -3, 0, -2], dtype=torch.int32)
+    region = table.put(torch.tensor([50, 51, 52]))         # a step's rows 0, 1, 2
+    assert table.resolve(ids).tolist() == [7, 50, 52, 0, 51]
+    assert region.tolist() == [52, 51, 50] and table.resolve(torch.arange(10)).tolist() == list(range(10))
 
 
 @pytest.mark.parametrize("overlap", [False, True])

@@ -78,7 +78,8 @@ def test_tp2_with_overlap_matches_tp1_without(tiny_model):
     prompts, params, eos = mixed_requests(path)
     outs = []
     for tp, overlap in ((1, False), (2, True)):
-        with LLM(path, tensor_parallel_size=tp, kvcache_block_size=16, overlap_scheduling=overlap) as llm:
+        with LLM(path, tensor_parallel_size=tp, kvcache_block_size=16, overlap_scheduling=overlap,
+                 dtype="float32") as llm:
             llm.scheduler.eos_ids = frozenset({eos})
             outs.append([o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)])
             discarded = llm.stats()["overlap_discarded_tokens"]
@@ -94,7 +95,7 @@ def test_tp2_lora_matches_tp1(tiny_model, adapters):
     outs = []
     for tp in (1, 2):
         with LLM(path, tensor_parallel_size=tp, kvcache_block_size=16, enable_lora=True, max_loras=2,
-                 max_lora_rank=16) as llm:
+                 max_lora_rank=16, dtype="float32") as llm:
             outs.append([o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)])
     assert outs[1] == outs[0]
 

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from nanograph.engine.step import resolve_input_ids
+from nanograph.engine.step import TokenTable
 from nanograph.layers.lora import rank_buckets
 from nanograph.utils.context import StepMetadata, set_step_metadata
 
@@ -146,8 +146,8 @@ class GraphStats:
 
 
 class CudaGraphRunner:
-    def __init__(self, model, config, device: torch.device, last_tokens: torch.Tensor):
-        self.model, self.last_tokens = model, last_tokens  # not the ModelRunner: no cycle keeping the cache alive
+    def __init__(self, model, config, device: torch.device, tokens: TokenTable):
+        self.model, self.tokens = model, tokens  # not the ModelRunner: no cycle keeping the cache alive
         self.ladder = sorted(set(config.cuda_graph_sizes or bucket_ladder(config.cuda_graph_max_bs or
                                                                           min(config.max_num_seqs, 512))))
         self.ranks = [0] + (rank_buckets(config.max_lora_rank) if config.enable_lora else [])
@@ -166,7 +166,7 @@ class CudaGraphRunner:
         dev = self.buffers.dev
         set_step_metadata(StepMetadata(False, dev["slot_mapping"][:bs], dev["context_lens"][:bs],
                                        dev["block_tables"][:bs], lora_rank=rank, lora_slots=dev["lora_slots"][:bs]))
-        hidden = self.model(resolve_input_ids(dev["input_ids"][:bs], self.last_tokens), dev["positions"][:bs])
+        hidden = self.model(self.tokens.resolve(dev["input_ids"][:bs]), dev["positions"][:bs])
         logits = self.model.compute_logits(hidden)
         if self.logits is None:  # the first (largest) warm-up sizes the shared output
             self.logits = torch.empty_like(logits)

@@ -4,9 +4,9 @@ A step goes: the scheduler's `Batch` -> `StepInput` (step.py) -> tensors on the 
 forward (eager, or a CUDA-graph replay for decode) -> logits of each sequence's last token ->
 sampled token ids. It is split in two halves so the host never waits inside a step:
 - `launch` queues all of that on the GPU and returns at once: the inputs go up with
-  non-blocking copies from pinned memory, the sampled ids stay on the device (`last_tokens`,
-  where the next step's placeholders are resolved) and start a non-blocking copy back into a
-  pinned host tensor, followed by an event.
+  non-blocking copies from pinned memory, the sampled ids stay on the device (in the token
+  table, where the next step's placeholders are resolved, step.py) and start a non-blocking
+  copy back into a pinned host tensor, followed by an event.
 - `collect` waits for that event and returns the ids as a list.
 Between the two the host is free: llm.py schedules and launches the next step there. Nothing in
 `launch` may synchronise with the GPU, or the overlap silently disappears: a `torch.tensor(list,
@@ -25,7 +25,7 @@ import torch.distributed as dist
 from nanograph.config import Config
 from nanograph.engine.cuda_graph import CudaGraphRunner
 from nanograph.engine.scheduler import Batch
-from nanograph.engine.step import StepInput, build_step, resolve_input_ids
+from nanograph.engine.step import StepInput, TokenTable, build_step
 from nanograph.layers.attention import resolve_backend
 from nanograph.layers.lora import add_lora_buffers, load_adapter
 from nanograph.layers.sampler import SamplingBatch, sample
@@ -80,11 +80,10 @@ class ModelRunner:
         first = self.model.model.layers[0].self_attn
         # one cache block of one layer: [block_size, kv_heads on this rank, head_dim]
         self.kv_block_shape = (self.block_size, first.num_kv_heads, first.head_dim)
-        # the last step's sampled ids, where the next step's placeholders are resolved
-        self.last_tokens = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)
+        self.tokens = TokenTable(hf.vocab_size, config.max_num_seqs, self.device)
         self.num_kv_blocks = self.allocate_kv_cache()
         if self.device.type == "cuda" and not config.enforce_eager and config.cuda_graph_max_bs != 0:
-            self.graphs = CudaGraphRunner(self.model, config, self.device, self.last_tokens)
+            self.graphs = CudaGraphRunner(self.model, config, self.device, self.tokens)
 
     # ---- KV cache ------------------------------------------------------------------------
     def allocate_kv_cache(self) -> int:
@@ -166,7 +165,7 @@ class ModelRunner:
             logits = self.graphs.replay(step)  # None: the batch is above the largest graph
             if logits is not None:
                 return logits
-        ids = resolve_input_ids(device_tensor(step.input_ids, torch.int64, self.device), self.last_tokens)
+        ids = self.tokens.resolve(device_tensor(step.input_ids, torch.int64, self.device))
         positions = device_tensor(step.positions, torch.int64, self.device)
         set_step_metadata(self.step_metadata(step))
         hidden = self.model(ids, positions)
@@ -191,21 +190,21 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, batch: Batch) -> InFlight:
         logits = self.forward(build_step(batch, self.block_size))
-        rows = len(batch.seqs)
-        self.last_tokens[:rows] = sample(logits, self.sampling_batch(batch))
-        self.share_tokens(rows)
-        tokens = torch.empty(rows, dtype=torch.int64, pin_memory=self.device.type == "cuda")
-        tokens.copy_(self.last_tokens[:rows], non_blocking=True)
+        sampled = sample(logits, self.sampling_batch(batch))
+        self.share_tokens(len(sampled), sampled)
+        tokens = torch.empty(len(sampled), dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        tokens.copy_(sampled, non_blocking=True)
         done = torch.cuda.Event() if self.device.type == "cuda" else None
         if done is not None:
             done.record()
         return InFlight(batch, tokens, done)
 
-    def share_tokens(self, rows: int) -> None:
-        """Tensor parallelism: every rank needs the sampled ids (the next step's placeholders).
-        Rank 0 samples and broadcasts them; the workers call this too and receive them."""
+    def share_tokens(self, rows: int, sampled: torch.Tensor | None = None) -> None:
+        """Put the sampled ids in the token table. With tensor parallelism every rank needs them
+        there: rank 0 samples and broadcasts them; the workers call this too (without) and receive."""
+        region = self.tokens.put(sampled) if sampled is not None else self.tokens.ids[-rows:]
         if dist.is_initialized():
-            dist.broadcast(self.last_tokens[:rows], src=0)
+            dist.broadcast(region, src=0)
 
     @staticmethod
     def collect(launched: InFlight) -> list[int]:
@@ -220,6 +219,6 @@ class ModelRunner:
     def close(self) -> None:
         if self.graphs is not None:
             self.graphs.close()
-        self.graphs = self.model = self.kv_cache = self.attention_layers = self.last_tokens = None
+        self.graphs = self.model = self.kv_cache = self.attention_layers = self.tokens = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

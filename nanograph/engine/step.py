@@ -7,9 +7,11 @@ tensor-parallel control message (tp.py), bench and the tests all read the same t
 
 Token ids may be placeholders. With overlap scheduling a decode step is built before the host
 has the previous step's tokens, so a sequence's input token can be `-1 - r`: "whatever the
-previous step sampled in its row r". Those tokens are on the device already (the runner keeps
-the last step's sampled ids in `last_tokens`); `resolve_input_ids` swaps them in there, as the
-first op of the forward (inside the CUDA graph for replays), so no step waits for the host.
+previous step sampled in its row r". Those tokens are on the device already, in the runner's
+*token table*: `arange(vocab + rows)`, whose last entries are overwritten each step with the
+sampled ids, row r at index -1 - r. Every id then resolves with one gather, `table[ids]`: a
+real id indexes itself, a placeholder counts from the end. That gather is the first op of the
+forward (inside the CUDA graph for replays), so no step waits for the host.
 """
 from dataclasses import dataclass, field
 
@@ -52,6 +54,17 @@ def build_step(batch: Batch, block_size: int) -> StepInput:
     return step
 
 
-def resolve_input_ids(ids: torch.Tensor, last_tokens: torch.Tensor) -> torch.Tensor:
-    """Token ids with each placeholder -1 - r replaced by last_tokens[r]."""
-    return torch.where(ids >= 0, ids, last_tokens[(-1 - ids).clamp(min=0)])
+class TokenTable:
+    """arange(vocab + max_rows): ids index themselves, placeholder -1 - r the last step's row r."""
+
+    def __init__(self, vocab_size: int, max_rows: int, device):
+        self.ids = torch.arange(vocab_size + max_rows, device=device)
+        self.rows = torch.arange(vocab_size + max_rows - 1, vocab_size - 1, -1, device=device)  # row r -> -1 - r
+
+    def resolve(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.ids[ids]
+
+    def put(self, sampled: torch.Tensor) -> torch.Tensor:
+        """Keep a step's sampled ids for the next step's placeholders; returns the region they are in."""
+        self.ids.index_copy_(0, self.rows[:len(sampled)], sampled)
+        return self.ids[len(self.ids) - len(sampled):]
