@@ -1,12 +1,14 @@
-"""The GEMV kernel's launch shape, and what PDL buys: a 28-layer chain of the Qwen3-0.6B linear
-layers (norm, QKV, O, norm, gate/up + SiLU, down; then a norm and the LM head) captured in one CUDA graph.
+"""The GEMV kernel's launch shape, and what PDL buys: the chain of a model's linear layers (norm,
+QKV, O, norm, gate/up + SiLU, down per layer; then a norm and the LM head) captured in one CUDA graph.
 
-    PYTHONPATH=. python tools/bench_gemv.py
+    PYTHONPATH=. python tools/bench_gemv.py [--shape qwen3-8b] [--rows 1,2,3,4]
 
 Times one replay for cuBLAS (F.linear + torch ops) and for the GEMV kernels (norms deferred into
 them) with and without PDL, over tile sizes and warp counts, at 1 to 16 rows. Weights are distinct per
 layer (1.2 GB in all), so nothing is served from L2 across replays.
 """
+import argparse
+
 import torch
 import torch.nn.functional as F
 
@@ -15,7 +17,11 @@ from nanograph.kernels.gemv import gemv
 from nanograph.kernels.rms_norm import rms_norm
 from nanograph.layers.norm import rms_norm as torch_rms_norm
 
-HIDDEN, QKV, Q, INTER, LAYERS, VOCAB = 1024, 4096, 2048, 3072, 28, 151936
+SHAPES = {  # hidden, QKV out, Q out, intermediate, layers
+    "qwen3-0.6b": (1024, 4096, 2048, 3072, 28),
+    "qwen3-8b": (4096, 6144, 4096, 12288, 36),
+}
+VOCAB = 151936
 
 
 def make_weights():
@@ -66,13 +72,21 @@ def time_graph(fn, x, iters=50):
 
 
 if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shape", choices=SHAPES, default="qwen3-0.6b")
+    parser.add_argument("--rows", default="1,4,8,16")
+    parser.add_argument("--tiles", default="8192,16384")
+    parser.add_argument("--warps", default="4,8")
+    args = parser.parse_args()
+    HIDDEN, QKV, Q, INTER, LAYERS = SHAPES[args.shape]
     weights = make_weights()
-    for rows in (1, 4, 8, 16):
+    for rows in map(int, args.rows.split(",")):
         x = torch.randn(rows, HIDDEN, device="cuda", dtype=torch.bfloat16)
         ms, ref = time_graph(lambda x: chain(x, weights, False), x)
         print(f"rows {rows:2d} cuBLAS + torch ops: {ms:.3f} ms")
         default = gemv_module.TARGET_TILE, gemv_module.NUM_WARPS
-        configs = [(True, tile, warps) for tile in (8192, 16384) for warps in (4, 8)] + [(False, *default)]
+        configs = [(True, int(tile), int(warps)) for tile in args.tiles.split(",") for warps in args.warps.split(",")]
+        configs += [(False, *default)]
         for use_pdl, tile, warps in configs:
             gemv_module.TARGET_TILE, gemv_module.NUM_WARPS = tile, warps
             pdl.pdl_supported = lambda device, on=use_pdl: on

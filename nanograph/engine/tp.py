@@ -74,23 +74,23 @@ def control_group():
     return dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
 
 
-HEADER = 7  # is_prefill, tokens, sequences, table width, len(cu_seqlens_q), LoRA rank, adapter loads
+LISTS = ("input_ids", "positions", "slot_mapping", "context_lens", "cu_seqlens_q", "lora_slots")
+HEADER = 5 + len(LISTS) + 1  # see send_step
 
 
 def send_step(step: StepInput | None, group) -> None:
-    """Rank 0: the step as a header of lengths, then its lists back to back, as int32 tensors; an
-    all-zero header (None) tells the workers to exit. Adapter loads, rare, follow as a pickle."""
+    """Rank 0: a header [1, is_prefill, LoRA rank, adapter loads, table width, the length of each
+    list], then the lists and the padded block tables back to back, as int32 tensors; an all-zero
+    header (None) tells the workers to exit. Adapter loads, rare, follow as a pickle."""
     if step is None:
         dist.broadcast(torch.zeros(HEADER, dtype=torch.int32), src=0, group=group)
         return
-    width, seqs = max(map(len, step.block_tables)), len(step.context_lens)
-    header = [step.is_prefill, len(step.input_ids), seqs, width, len(step.cu_seqlens_q), step.lora_rank,
-              len(step.lora_loads)]
-    tables = [x for t in step.block_tables for x in t + [-1] * (width - len(t))]
-    payload = (step.input_ids + step.positions + step.slot_mapping + step.context_lens + step.cu_seqlens_q
-               + (step.lora_slots or [-1] * seqs) + tables)
+    width = max(map(len, step.block_tables))
+    lists = [getattr(step, name) for name in LISTS[:-1]] + [step.lora_slots or [-1] * len(step.context_lens)]
+    lists.append([x for t in step.block_tables for x in t + [-1] * (width - len(t))])
+    header = [1, step.is_prefill, step.lora_rank, len(step.lora_loads), width] + [len(x) for x in lists]
     dist.broadcast(torch.tensor(header, dtype=torch.int32), src=0, group=group)
-    dist.broadcast(torch.tensor(payload, dtype=torch.int32), src=0, group=group)
+    dist.broadcast(torch.tensor([x for part in lists for x in part], dtype=torch.int32), src=0, group=group)
     if step.lora_loads:
         dist.broadcast_object_list([step.lora_loads], src=0, group=group)
 
@@ -98,18 +98,17 @@ def send_step(step: StepInput | None, group) -> None:
 def receive_step(group) -> StepInput | None:
     header = torch.empty(HEADER, dtype=torch.int32)
     dist.broadcast(header, src=0, group=group)
-    is_prefill, tokens, seqs, width, cu, lora_rank, loads = header.tolist()
-    if tokens == 0:
+    alive, is_prefill, lora_rank, loads, width, *lengths = header.tolist()
+    if not alive:
         return None
-    payload = torch.empty(3 * tokens + 2 * seqs + cu + seqs * width, dtype=torch.int32)
+    payload = torch.empty(sum(lengths), dtype=torch.int32)
     dist.broadcast(payload, src=0, group=group)
-    parts = payload.split([tokens, tokens, tokens, seqs, cu, seqs, seqs * width])
-    ids, positions, slots, context_lens, cu_seqlens_q, lora_slots = (p.tolist() for p in parts[:6])
-    lora_loads = [None]
+    *lists, tables = (part.tolist() for part in payload.split(lengths))
+    lora_loads = [[]]
     if loads:
         dist.broadcast_object_list(lora_loads, src=0, group=group)
-    return StepInput(bool(is_prefill), ids, positions, slots, context_lens, parts[6].view(seqs, width).tolist(),
-                     cu_seqlens_q, lora_slots, lora_rank, lora_loads[0] or [])
+    return StepInput(bool(is_prefill), block_tables=[tables[i:i + width] for i in range(0, len(tables), width)],
+                     lora_rank=lora_rank, lora_loads=lora_loads[0], **dict(zip(LISTS, lists)))
 
 
 def worker_main(config: Config, rank: int, port: int) -> None:

@@ -13,9 +13,14 @@ With tp=1 every class degenerates into a plain nn.Linear.
 With `enable_lora` each layer also adds its rows' LoRA deltas (layers/lora.py); `load_lora`
 cuts this rank's share of an adapter the way `weight_loader` does for the weight.
 
-On CUDA, products with at most GEMV_MAX_ROWS rows (decode at small batch) go to the GEMV
-kernel of kernels/gemv.py, which streams the weights inside the PDL chain and can apply a
-deferred RMSNorm to its input (layers/norm.py); larger ones go to cuBLAS.
+On CUDA, products with few rows (decode at small batch) go to the GEMV kernel of
+kernels/gemv.py, which streams the weights inside the PDL chain and can apply a deferred RMSNorm
+to its input (layers/norm.py); larger ones go to cuBLAS, whose tensor cores reuse each weight
+tile across rows. Where they cross depends on the model: a GEMV program holds each of its input
+rows whole in registers (next_pow2(K) elements), so rows x K is what spills. Measured on six
+shapes (bench.py --decode-sweep, H100), the GEMV wins up to the largest power-of-two row count
+with rows * next_pow2(K) <= 16384, K the widest input of the model's layers on this rank: 4 rows
+for Qwen3-0.6B, 2 for Qwen3-1.7B and Llama-3.2-1B, 1 for Qwen3-4B and the 8B shapes.
 """
 import torch
 import torch.distributed as dist
@@ -26,7 +31,12 @@ from nanograph.layers.lora import add_lora
 from nanograph.layers.norm import DeferredNorm
 
 
-GEMV_MAX_ROWS = 4  # above this, cuBLAS (tensor cores, each weight tile reused across rows) wins
+GEMV_MAX_ROWS = 4  # set for the model being built by configure_gemv
+
+
+def configure_gemv(widest_input: int) -> None:
+    global GEMV_MAX_ROWS
+    GEMV_MAX_ROWS = max(1, min(4, 16384 // (1 << (widest_input - 1).bit_length())))
 
 
 def use_gemv(x: torch.Tensor | DeferredNorm) -> bool:

@@ -16,7 +16,8 @@ from torch import nn
 
 from nanograph.layers.attention import Attention
 from nanograph.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
-from nanograph.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, linear, use_gemv
+from nanograph.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, configure_gemv,
+                                     linear, tp_size, use_gemv)
 from nanograph.layers.norm import RMSNorm
 from nanograph.layers.rotary import RotaryEmbedding
 from nanograph.utils.compile import cuda_compiled
@@ -123,6 +124,9 @@ class DecoderForCausalLM(nn.Module):
         super().__init__()
         if cfg.model_type not in ("llama", "qwen2", "qwen3"):
             raise ValueError(f"model_type {cfg.model_type!r} is not supported (llama, qwen2, qwen3 are)")
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        configure_gemv(max(cfg.hidden_size, cfg.num_attention_heads * head_dim // tp_size(),
+                           cfg.intermediate_size // tp_size()))
         self.model = DecoderModel(cfg)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         if cfg.tie_word_embeddings:
