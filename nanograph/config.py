@@ -5,10 +5,10 @@ config, the effective max_model_len) is computed here too, so the rest of the en
 plain, checked values.
 """
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
-from transformers import AutoConfig, PretrainedConfig
+from transformers import AutoConfig
 
 from nanograph.utils.loader import resolve_model_dir
 
@@ -36,9 +36,7 @@ class Config:
     enable_lora: bool = False
     max_loras: int = 4                         # adapters resident at once (GPU slots)
     max_lora_rank: int = 64
-    model_dir: str = field(init=False)
-    hf_config: PretrainedConfig = field(init=False)
-    torch_dtype: torch.dtype = field(init=False)
+    # and, derived in __post_init__: model_dir (str), hf_config (the HF PretrainedConfig), torch_dtype
 
     def __post_init__(self):
         self.device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -58,7 +56,7 @@ class Config:
         if self.attention_backend == "flash_attn" and bs != 256:
             raise ValueError(f"attention_backend='flash_attn' needs kvcache_block_size=256, got {bs}")
         if self.cuda_graph_sizes is not None and (not self.cuda_graph_sizes or min(self.cuda_graph_sizes) < 1):
-            raise ValueError(f"cuda_graph_sizes must be a non-empty list of batch sizes >= 1, got {self.cuda_graph_sizes}")
+            raise ValueError(f"cuda_graph_sizes must be a non-empty list of sizes >= 1, got {self.cuda_graph_sizes}")
         if self.overlap_scheduling is None:
             self.overlap_scheduling = self.device.startswith("cuda")
         self.model_dir = resolve_model_dir(self.model, weights=self.load_format != "dummy")
@@ -69,12 +67,13 @@ class Config:
         self.torch_dtype = self._resolve_dtype()
 
     def _resolve_dtype(self) -> torch.dtype:
-        if self.dtype != "auto":
-            dtype = getattr(torch, str(self.dtype).replace("torch.", ""), None)
-            if not isinstance(dtype, torch.dtype):
-                raise ValueError(f"dtype {self.dtype!r} is not a torch dtype")
-            return dtype
-        if not self.device.startswith("cuda"):
+        """auto: the checkpoint's half type (else bf16) on CUDA, float32 on the CPU."""
+        if self.dtype == "auto" and not self.device.startswith("cuda"):
             return torch.float32
-        dtype = getattr(self.hf_config, "dtype", None) or getattr(self.hf_config, "torch_dtype", None)
-        return dtype if dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+        if self.dtype == "auto":
+            dtype = getattr(self.hf_config, "dtype", None) or getattr(self.hf_config, "torch_dtype", None)
+            return dtype if dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+        dtype = getattr(torch, str(self.dtype).replace("torch.", ""), None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"dtype {self.dtype!r} is not a torch dtype")
+        return dtype

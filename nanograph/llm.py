@@ -43,6 +43,7 @@ from nanograph.engine.block_manager import BlockManager
 from nanograph.engine.model_runner import InFlight, ModelRunner
 from nanograph.engine.scheduler import Scheduler
 from nanograph.engine.sequence import Sequence
+from nanograph.engine.tp import TensorParallelRunner
 from nanograph.layers.lora import rank_buckets
 from nanograph.lora import Adapter, LoRARequest, read_adapter
 from nanograph.sampling_params import SamplingParams
@@ -54,11 +55,7 @@ class LLM:
         self.tokenizer = None
         if any(os.path.exists(os.path.join(config.model_dir, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
             self.tokenizer = AutoTokenizer.from_pretrained(config.model_dir)
-        if config.tensor_parallel_size > 1:
-            from nanograph.engine.tp import TensorParallelRunner
-            self.runner = TensorParallelRunner(config)
-        else:
-            self.runner = ModelRunner(config)
+        self.runner = (TensorParallelRunner if config.tensor_parallel_size > 1 else ModelRunner)(config)
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.kvcache_block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
@@ -66,13 +63,12 @@ class LLM:
                                    tuple(rank_buckets(config.max_lora_rank)))
         self.adapters: dict[LoRARequest, Adapter] = {}
         self.seq_ids = count()
-        self.closed = False
 
     def _eos_ids(self) -> frozenset[int]:
         """From the model's config, its generation config and its tokenizer, whichever exist."""
         model_dir = self.config.model_dir
-        gen = os.path.exists(os.path.join(model_dir, "generation_config.json")) and GenerationConfig.from_pretrained(
-            model_dir)
+        has_generation_config = os.path.exists(os.path.join(model_dir, "generation_config.json"))
+        gen = has_generation_config and GenerationConfig.from_pretrained(model_dir)
         values = (self.config.hf_config.eos_token_id, gen and gen.eos_token_id,
                   self.tokenizer and self.tokenizer.eos_token_id)
         return frozenset(i for v in values if v is not None for i in (v if isinstance(v, list) else [v]))
@@ -81,7 +77,6 @@ class LLM:
         """Free the device memory (and with tensor parallelism, the workers) now, not at garbage
         collection: the next LLM sizes its KV cache from the memory it finds free."""
         self.runner.close()
-        self.closed = True
 
     def __enter__(self):
         return self
@@ -136,7 +131,7 @@ class LLM:
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True, lora_request: LoRARequest | list[LoRARequest | None] | None = None,
                  ) -> list[dict]:
-        if self.closed:
+        if self.runner.model is None:  # released by close(), or by a failed tensor-parallel step
             raise RuntimeError("this LLM has been closed")
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             raise ValueError("prompts must be a list of prompts (str or list of token ids)")
@@ -152,9 +147,9 @@ class LLM:
                 for ids, sp, adapter in zip(token_lists, params, adapters)]
         for seq in seqs:
             self.scheduler.add(seq)
-        bar = tqdm(total=len(seqs), desc="Generating", disable=not use_tqdm, dynamic_ncols=True)
         try:
-            self._run(bar, lookahead=1 if self.config.overlap_scheduling else 0)
+            with tqdm(total=len(seqs), desc="Generating", disable=not use_tqdm, dynamic_ncols=True) as bar:
+                self._run(bar, lookahead=1 if self.config.overlap_scheduling else 0)
         except BaseException:
             # an interrupt or a failed step: nothing of this call may leak into the next one
             with contextlib.suppress(Exception):  # a broken device must not hide the original error
@@ -162,8 +157,6 @@ class LLM:
             for seq in seqs:
                 self.scheduler.finish(seq)
             raise
-        finally:
-            bar.close()
         return [{"text": self.tokenizer.decode(s.completion_token_ids) if self.tokenizer else None,
                  "token_ids": s.completion_token_ids} for s in seqs]
 

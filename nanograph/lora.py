@@ -64,6 +64,8 @@ def read_adapter(request: LoRARequest, hf, max_rank: int) -> Adapter:
         fail(f"only plain LoRA without bias is supported (peft_type {cfg.get('peft_type')}, bias {cfg.get('bias')})")
     if any(cfg.get(key) for key in UNSUPPORTED):
         fail(f"{', '.join(k for k in UNSUPPORTED if cfg.get(k))} not supported")
+    if not isinstance(cfg.get("r"), int) or not isinstance(cfg.get("lora_alpha"), (int, float)):
+        fail(f"adapter_config.json needs an integer r and a lora_alpha, got r={cfg.get('r')!r}")
     rank = cfg["r"]
     if not 1 <= rank <= max_rank:
         fail(f"rank {rank} is above max_lora_rank={max_rank}")

@@ -26,10 +26,8 @@ from nanograph.engine.sequence import Sequence
 
 
 def chain_hash(token_ids: list[int], prefix_hash: int) -> int:
-    h = xxhash.xxh64()
-    h.update(prefix_hash.to_bytes(8, "little"))
-    h.update(b"".join(t.to_bytes(4, "little") for t in token_ids))
-    return h.intdigest()
+    data = prefix_hash.to_bytes(8, "little") + b"".join(t.to_bytes(4, "little") for t in token_ids)
+    return xxhash.xxh64_intdigest(data)
 
 
 class Block:
@@ -68,9 +66,6 @@ class BlockManager:
         if block_id is None or self.blocks[block_id].token_ids != tokens:
             return None
         return self.blocks[block_id]
-
-    def can_allocate(self, seq: Sequence) -> bool:
-        return seq.num_blocks <= self.num_free_blocks
 
     def allocate(self, seq: Sequence) -> None:
         """Give `seq` blocks for all its tokens, sharing the longest cached prefix."""

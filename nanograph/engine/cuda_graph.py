@@ -18,8 +18,8 @@ What makes replay possible:
   batches above the largest bucket run eager.
 - One memory pool. Graphs are captured largest first into a shared pool: a smaller graph's
   intermediates fit in memory the larger one already reserved, so the ladder costs about one
-  graph's activations, not the sum (the per-capture log shows the deltas). Each graph's logits
-  tensor lives in that pool too, and is read right after its replay, before anything else runs.
+  graph's activations, not the sum (the per-capture log shows the deltas). Every graph copies
+  its logits into one output tensor [largest bucket, vocab], read right after the replay.
 - Warm-up. Each bucket runs once eagerly before capture, so Triton autotuning, torch.compile
   and cuBLAS workspace allocations happen outside the recording.
 
@@ -75,7 +75,9 @@ class DecodeBuffers:
     while step N's copy may not have run yet; by then step N-1, which used the other mirror, has
     been collected, so its copy is done and that mirror is free to overwrite."""
 
-    FIELDS = ("input_ids", "positions", "slot_mapping", "context_lens", "lora_slots")
+    # the 1-D fields, each with its value in a padding row: token 0 at position 0, no cache slot,
+    # no context, no adapter (the block tables follow them)
+    FIELDS = {"input_ids": 0, "positions": 0, "slot_mapping": -1, "context_lens": 0, "lora_slots": -1}
 
     def __init__(self, max_bs: int, max_blocks: int, device):
         self.max_bs, self.max_blocks = max_bs, max_blocks
@@ -96,11 +98,9 @@ class DecodeBuffers:
         views["block_tables"] = flat[len(self.FIELDS) * n:].reshape(n, self.max_blocks)
         return views
 
-    @staticmethod
-    def fill_padding(host: dict, start: int, end: int) -> None:
-        """Rows start..end-1 become padding: token 0 at position 0, no cache slot, no context, no adapter."""
-        for name, value in (("input_ids", 0), ("positions", 0), ("slot_mapping", -1), ("context_lens", 0),
-                            ("lora_slots", -1)):
+    def fill_padding(self, host: dict, start: int, end: int) -> None:
+        """Rows start..end-1 become padding."""
+        for name, value in self.FIELDS.items():
             host[name][start:end] = value
 
     def fill(self, step, bucket: int) -> None:
@@ -119,9 +119,8 @@ class DecodeBuffers:
 
 @dataclass
 class GraphStats:
-    """What the graphs did: measured, not assumed."""
-    capture_seconds: float = 0.0
-    graph_memory_bytes: int = 0
+    """What the graphs did, step by step: measured, not assumed. Counters only, so that the
+    figures of one call are the difference of two snapshots (bench.py)."""
     replays: Counter = field(default_factory=Counter)   # (batch bucket, LoRA rank bucket) -> replays
     eager_steps: int = 0                                # decode batches above the largest bucket
     real_rows: int = 0                                  # rows of real sequences over all replays
@@ -134,8 +133,6 @@ class GraphStats:
         for (bucket, _), n in self.replays.items():
             per_bucket[bucket] += n
         return {
-            "capture_seconds": round(self.capture_seconds, 3),
-            "graph_memory_bytes": self.graph_memory_bytes,
             "decode_steps": decode_steps,
             "graph_replays": replayed,
             "graph_hit_rate": replayed / decode_steps if decode_steps else 0.0,
@@ -148,11 +145,12 @@ class GraphStats:
 class CudaGraphRunner:
     def __init__(self, model, config, device: torch.device, tokens: TokenTable):
         self.model, self.tokens = model, tokens  # not the ModelRunner: no cycle keeping the cache alive
-        self.ladder = sorted(set(config.cuda_graph_sizes or bucket_ladder(config.cuda_graph_max_bs or
-                                                                          min(config.max_num_seqs, 512))))
+        max_bs = config.cuda_graph_max_bs or min(config.max_num_seqs, 512)
+        self.ladder = sorted(set(config.cuda_graph_sizes or bucket_ladder(max_bs)))
         self.ranks = [0] + (rank_buckets(config.max_lora_rank) if config.enable_lora else [])
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (batch bucket, LoRA rank bucket) -> graph
-        self.logits: torch.Tensor | None = None  # [max_bs, vocab]: every graph's output, copied in
+        # every graph's output, copied in: [max_bs, vocab]
+        self.logits = torch.empty(self.ladder[-1], config.hf_config.vocab_size, dtype=config.torch_dtype, device=device)
         self.stats = GraphStats()
         max_blocks = -(-config.max_model_len // config.kvcache_block_size)
         self.buffers = DecodeBuffers(self.ladder[-1], max_blocks, device)
@@ -160,25 +158,21 @@ class CudaGraphRunner:
 
     def stats_dict(self) -> dict:
         return {"cuda_graph_sizes": self.ladder, "lora_rank_buckets": self.ranks[1:], "num_graphs": len(self.graphs),
+                "capture_seconds": round(self.capture_seconds, 3), "graph_memory_bytes": self.graph_memory_bytes,
                 **self.stats.as_dict()}
 
-    def forward(self, bs: int, rank: int) -> torch.Tensor:
+    def forward(self, bs: int, rank: int) -> None:
         dev = self.buffers.dev
         set_step_metadata(StepMetadata(False, dev["slot_mapping"][:bs], dev["context_lens"][:bs],
                                        dev["block_tables"][:bs], lora_rank=rank, lora_slots=dev["lora_slots"][:bs]))
         hidden = self.model(self.tokens.resolve(dev["input_ids"][:bs]), dev["positions"][:bs])
-        logits = self.model.compute_logits(hidden)
-        if self.logits is None:  # the first (largest) warm-up sizes the shared output
-            self.logits = torch.empty_like(logits)
-        self.logits[:bs] = logits
-        return logits
+        self.logits[:bs] = self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def capture(self) -> None:
-        start, pool = time.perf_counter(), None
+        start, pool = time.perf_counter(), torch.cuda.graph_pool_handle()
         torch.cuda.synchronize()
-        base_reserved = torch.cuda.memory_reserved()
-        reserved = base_reserved
+        base_reserved = reserved = torch.cuda.memory_reserved()
         grid = [(bs, rank) for bs in self.ladder[::-1] for rank in self.ranks[::-1]]
         for i, (bs, rank) in enumerate(tqdm(grid, desc="Capturing decode graphs", leave=False)):
             self.forward(bs, rank)  # warm-up: compile, autotune, allocate workspaces outside the graph
@@ -187,7 +181,6 @@ class CudaGraphRunner:
             # thread_local: other threads (NCCL's watchdog polls its events) may keep calling CUDA
             with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                 self.forward(bs, rank)
-            pool = graph.pool()
             self.graphs[bs, rank] = graph
             torch.cuda.synchronize()
             now_reserved, allocated = torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
@@ -196,8 +189,8 @@ class CudaGraphRunner:
                      allocated / 2**20)
             reserved = now_reserved
         set_step_metadata(None)
-        self.stats.capture_seconds = time.perf_counter() - start
-        self.stats.graph_memory_bytes = reserved - base_reserved
+        self.capture_seconds = time.perf_counter() - start
+        self.graph_memory_bytes = reserved - base_reserved
 
     def close(self) -> None:
         """Destroy the graphs now, whoever still holds this runner. NCCL counts every graph that

@@ -10,13 +10,14 @@ sampled token ids. It is split in two halves so the host never waits inside a st
 - `collect` waits for that event and returns the ids as a list.
 Between the two the host is free: llm.py schedules and launches the next step there. Nothing in
 `launch` may synchronise with the GPU, or the overlap silently disappears: a `torch.tensor(list,
-device="cuda")` does (a pageable copy waits for the stream), hence `device_tensor`.
+device="cuda")` does (a pageable copy waits for the stream), hence `upload`.
 
 KV cache: one tensor [2, layers, blocks, block_size, kv_heads, head_dim], each layer's
 Attention holding views into it. Its size comes from memory: on CUDA, what is left of
 `gpu_memory_utilization` after the weights and the activation peak of the largest prefill
 (measured by a warm-up run); on the CPU a modest 1 GiB at most.
 """
+import math
 from dataclasses import dataclass
 
 import torch
@@ -44,15 +45,9 @@ class InFlight:
     done: torch.cuda.Event | None      # None on the CPU, where the copy is synchronous
 
 
-def device_tensor(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host list on the device without waiting for the GPU (pinned memory, non-blocking copy)."""
-    return torch.tensor(data, dtype=dtype, pin_memory=device.type == "cuda").to(device, non_blocking=True)
-
-
 class ModelRunner:
     def __init__(self, config: Config, rank: int = 0):
         self.config = config
-        hf = config.hf_config
         self.device = torch.device(config.device)
         if self.device.type == "cuda" and config.tensor_parallel_size > 1:
             self.device = torch.device("cuda", rank)  # one GPU per tensor-parallel rank
@@ -65,7 +60,7 @@ class ModelRunner:
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(config.torch_dtype)  # build the weights in their final dtype directly
         with torch.device(self.device):
-            self.model = DecoderForCausalLM(hf)
+            self.model = DecoderForCausalLM(config.hf_config)
         torch.set_default_dtype(default_dtype)
         if config.load_format == "dummy":
             init_dummy_weights(self.model, config.seed)
@@ -73,23 +68,21 @@ class ModelRunner:
             load_weights(self.model, config.model_dir)
         if config.enable_lora:
             add_lora_buffers(self.model, config.max_loras, config.max_lora_rank)
-        self.backend = resolve_backend(config.attention_backend, self.device, self.block_size)
+        self.backend = resolve_backend(config.attention_backend, self.device)
         self.attention_layers = [layer.self_attn.attn for layer in self.model.model.layers]
         for attn in self.attention_layers:
             attn.backend = self.backend
         first = self.model.model.layers[0].self_attn
         # one cache block of one layer: [block_size, kv_heads on this rank, head_dim]
         self.kv_block_shape = (self.block_size, first.num_kv_heads, first.head_dim)
-        self.tokens = TokenTable(hf.vocab_size, config.max_num_seqs, self.device)
+        self.tokens = TokenTable(config.hf_config.vocab_size, config.max_num_seqs, self.device)
         self.num_kv_blocks = self.allocate_kv_cache()
         if self.device.type == "cuda" and not config.enforce_eager and config.cuda_graph_max_bs != 0:
             self.graphs = CudaGraphRunner(self.model, config, self.device, self.tokens)
 
     # ---- KV cache ------------------------------------------------------------------------
     def allocate_kv_cache(self) -> int:
-        block_bytes = 2 * len(self.attention_layers) * self.config.torch_dtype.itemsize
-        for dim in self.kv_block_shape:
-            block_bytes *= dim
+        block_bytes = 2 * len(self.attention_layers) * self.config.torch_dtype.itemsize * math.prod(self.kv_block_shape)
         num_blocks = self.config.num_kvcache_blocks
         if num_blocks is None and self.device.type == "cuda":
             peak = self.measure_activation_peak()
@@ -138,21 +131,24 @@ class ModelRunner:
         return peak
 
     # ---- one step --------------------------------------------------------------------------
+    def upload(self, data: list, dtype: torch.dtype) -> torch.Tensor:
+        """A host list on the device without waiting for the GPU (pinned memory, non-blocking copy)."""
+        return torch.tensor(data, dtype=dtype, pin_memory=self.device.type == "cuda").to(self.device, non_blocking=True)
+
     def step_metadata(self, step: StepInput) -> StepMetadata:
         width = max(map(len, step.block_tables))
         tables = [t + [-1] * (width - len(t)) for t in step.block_tables]
-        md = StepMetadata(step.is_prefill, device_tensor(step.slot_mapping, torch.int64, self.device),
-                               device_tensor(step.context_lens, torch.int32, self.device),
-                               device_tensor(tables, torch.int32, self.device))
+        md = StepMetadata(step.is_prefill, self.upload(step.slot_mapping, torch.int64),
+                          self.upload(step.context_lens, torch.int32), self.upload(tables, torch.int32))
         cu = step.cu_seqlens_q if step.is_prefill else range(len(step.input_ids) + 1)
         if step.is_prefill:
-            md.cu_seqlens_q = device_tensor(step.cu_seqlens_q, torch.int32, self.device)
-            md.host_cu_seqlens_q, md.host_context_lens = step.cu_seqlens_q, step.context_lens
+            md.cu_seqlens_q = self.upload(cu, torch.int32)
+            md.host_cu_seqlens_q, md.host_context_lens = cu, step.context_lens
             md.max_seqlen_q = max(b - a for a, b in zip(cu, cu[1:]))
         if step.lora_rank:  # each token takes its sequence's slot
             slots = [slot for slot, a, b in zip(step.lora_slots, cu, cu[1:]) for _ in range(a, b)]
-            md.lora_rank, md.lora_slots = step.lora_rank, device_tensor(slots, torch.int32, self.device)
-            md.lora_rows = [(s, device_tensor([i for i, t in enumerate(slots) if t == s], torch.int64, self.device))
+            md.lora_rank, md.lora_slots = step.lora_rank, self.upload(slots, torch.int32)
+            md.lora_rows = [(s, self.upload([i for i, t in enumerate(slots) if t == s], torch.int64))
                             for s in set(slots) - {-1}]
         return md
 
@@ -165,23 +161,23 @@ class ModelRunner:
             logits = self.graphs.replay(step)  # None: the batch is above the largest graph
             if logits is not None:
                 return logits
-        ids = self.tokens.resolve(device_tensor(step.input_ids, torch.int64, self.device))
-        positions = device_tensor(step.positions, torch.int64, self.device)
+        ids = self.tokens.resolve(self.upload(step.input_ids, torch.int64))
+        positions = self.upload(step.positions, torch.int64)
         set_step_metadata(self.step_metadata(step))
         hidden = self.model(ids, positions)
         set_step_metadata(None)
         if step.is_prefill:
-            hidden = hidden[device_tensor(step.cu_seqlens_q[1:], torch.int64, self.device) - 1]
+            hidden = hidden[self.upload(step.cu_seqlens_q[1:], torch.int64) - 1]
         return self.model.compute_logits(hidden)
 
     def sampling_batch(self, batch: Batch) -> SamplingBatch:
         params = [seq.params for seq in batch.seqs]
         vocab = self.config.hf_config.vocab_size
-        temps = device_tensor([p.temperature for p in params], torch.float32, self.device)
+        temps = self.upload([p.temperature for p in params], torch.float32)
         top_ks = top_ps = None
         if any(p.top_k > 0 or p.top_p < 1 for p in params):
-            top_ks = device_tensor([p.top_k if p.top_k > 0 else vocab for p in params], torch.int64, self.device)
-            top_ps = device_tensor([p.top_p for p in params], torch.float32, self.device)
+            top_ks = self.upload([p.top_k if p.top_k > 0 else vocab for p in params], torch.int64)
+            top_ps = self.upload([p.top_p for p in params], torch.float32)
         # a seeded request draws only for the tokens it keeps (not for prefill chunks), so where its
         # prompt was cut into chunks, or recomputed after a preemption, does not change its tokens
         return SamplingBatch(temps, all(p.temperature == 0 for p in params), top_ks, top_ps,
@@ -194,9 +190,7 @@ class ModelRunner:
         self.share_tokens(len(sampled), sampled)
         tokens = torch.empty(len(sampled), dtype=torch.int64, pin_memory=self.device.type == "cuda")
         tokens.copy_(sampled, non_blocking=True)
-        done = torch.cuda.Event() if self.device.type == "cuda" else None
-        if done is not None:
-            done.record()
+        done = torch.cuda.current_stream().record_event() if self.device.type == "cuda" else None
         return InFlight(batch, tokens, done)
 
     def share_tokens(self, rows: int, sampled: torch.Tensor | None = None) -> None:

@@ -89,10 +89,10 @@ class Scheduler:
         seqs, counts, budget = [], [], self.max_num_batched_tokens
         while self.waiting and budget > 0 and len(self.running) + len(seqs) < self.max_num_seqs:
             seq = self.waiting[0]
-            if seq.adapter and not self.adapter_fits(seq.adapter, seqs):
-                break
+            if seq.adapter and len(self.adapters_in_use([*seqs, seq])) > self.max_loras:
+                break  # its adapter would need a slot more than there are
             if not seq.block_table:
-                if not self.block_manager.can_allocate(seq):
+                if seq.num_blocks > self.block_manager.num_free_blocks:
                     break
                 self.block_manager.allocate(seq)
             counts.append(min(len(seq) - seq.num_computed_tokens, budget))
@@ -121,20 +121,16 @@ class Scheduler:
     def adapters_in_use(self, seqs) -> set:
         return {s.adapter for s in (*self.running, *seqs) if s.adapter}
 
-    def adapter_fits(self, adapter, admitted: list[Sequence]) -> bool:
-        in_use = self.adapters_in_use(admitted)
-        return adapter in in_use or len(in_use) < self.max_loras
-
     def assign_slots(self, batch: Batch) -> None:
         adapters = {s.adapter for s in batch.seqs if s.adapter}
         for adapter in adapters:
             if adapter not in self.slot_of:
-                free = set(range(self.max_loras)) - set(self.slot_of.values())
-                if not free:  # admission guarantees an adapter that no running sequence needs
+                slot = len(self.slot_of)  # slots are taken in order and only ever change hands
+                if slot == self.max_loras:  # all taken: admission guarantees one whose adapter no running seq needs
                     in_use = self.adapters_in_use(batch.seqs)
-                    free = {self.slot_of.pop(next(a for a in self.slot_of if a not in in_use))}
-                self.slot_of[adapter] = min(free)
-                batch.lora_loads.append((self.slot_of[adapter], adapter))
+                    slot = self.slot_of.pop(next(a for a in self.slot_of if a not in in_use))
+                self.slot_of[adapter] = slot
+                batch.lora_loads.append((slot, adapter))
             self.slot_of.move_to_end(adapter)
         batch.lora_slots = [self.slot_of[s.adapter] if s.adapter else -1 for s in batch.seqs]
         if adapters:

@@ -15,13 +15,14 @@ lists back to back: two gloo broadcasts, no pickle; only the rare LoRA adapter l
 small pickled list) over a second, gloo-only process group: the control group. The workers
 run the same `forward` on their shard. Only rank 0 samples; it broadcasts the sampled ids on
 the device (one small NCCL broadcast), because the next step's placeholder tokens (step.py)
-are resolved on every rank from its own copy of them. (Sampling on every rank from the all-gathered logits would also work, but every
-rank would then need every request's seeded generator, in step.) With overlap scheduling rank 0
-sends step N+1 while the GPUs still run step N, and a worker queues it at once: nothing on
-either side waits for the GPU. One message per step keeps the ranks in lockstep by
-construction, and sending the inputs rather than sequences keeps the workers free of any
-scheduler state. The control messages go through gloo, not NCCL, so a worker waits for the
-next step on the host, without a GPU kernel, as long as the engine stays idle.
+are resolved on every rank from its own copy of them. (Sampling on every rank from the
+all-gathered logits would also work, but every rank would then need every request's seeded
+generator, in step.) With overlap scheduling rank 0 sends step N+1 while the GPUs still run
+step N, and a worker queues it at once: nothing on either side waits for the GPU. One message
+per step keeps the ranks in lockstep by construction, and sending the inputs rather than
+sequences keeps the workers free of any scheduler state. The control messages go through gloo,
+not NCCL, so a worker waits for the next step on the host, without a GPU kernel, as long as the
+engine stays idle.
 
 Same ladder everywhere. A collective matches the calls of all ranks in order, so all ranks must
 run the same kernels: the same KV-cache size (ModelRunner takes the minimum over the ranks) and
@@ -162,7 +163,7 @@ class TensorParallelRunner(ModelRunner):
         if dist.is_initialized():
             raise RuntimeError("a torch.distributed process group is already initialised in this process "
                                "(close the other LLM first)")
-        self.closed, self.group_ref = False, [None]
+        self.group_ref = [None]
         store = dist.TCPStore("127.0.0.1", 0, n, is_master=True, wait_for_workers=False, timeout=STEP_TIMEOUT)
         ctx = mp.get_context("spawn")  # spawned children inherit os.environ (NCCL settings included)
         self.procs = [ctx.Process(target=worker_main, args=(config, rank, store.port), daemon=True,
@@ -201,8 +202,6 @@ class TensorParallelRunner(ModelRunner):
         raise error
 
     def launch(self, batch):
-        if self.closed:
-            raise RuntimeError("this LLM has been closed")
         if (dead := self.dead_worker()):
             self.fail(RuntimeError(dead))
         try:
@@ -217,7 +216,6 @@ class TensorParallelRunner(ModelRunner):
         return super().forward(step)
 
     def close(self) -> None:
-        self.closed = True
         if getattr(self, "model", None) is not None:
             super().close()
         self._finalizer()

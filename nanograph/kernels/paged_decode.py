@@ -244,12 +244,6 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _plan_splits(batch, num_kv_heads, num_tiles, sm_count) -> int:
-    """Static number of splits, from shapes only."""
-    wanted = triton.cdiv(2 * sm_count, batch * num_kv_heads)
-    return max(1, min(wanted, num_tiles))
-
-
 @functools.cache  # never evicted: a captured graph keeps using the buffer it was captured with
 def _arrival_counters(device: torch.device, size: int) -> torch.Tensor:
     """One zeroed int32 per (sequence, KV head); the merging program puts its entry back to 0.
@@ -273,7 +267,8 @@ def paged_decode_attention(q, k, v, positions, slot_mapping, cos, sin, q_weight,
     # Keep the K and V tiles of one step within ~32 KB each, even at head_dim 256.
     block_n = min(block_size, KEYS_PER_TILE if d_pad <= 128 else KEYS_PER_TILE // 2)
     num_tiles = block_tables.shape[1] * block_size // block_n
-    num_splits = _plan_splits(batch, num_kv_heads, num_tiles, _sm_count(q.device))
+    # from static shapes only: two waves of programs over the SMs, never more splits than key tiles
+    num_splits = max(1, min(triton.cdiv(2 * _sm_count(q.device), batch * num_kv_heads), num_tiles))
 
     o_part = torch.empty(batch, num_q_heads, num_splits, d_pad, dtype=torch.float32, device=q.device)
     lse = torch.empty(batch, num_q_heads, num_splits, dtype=torch.float32, device=q.device)

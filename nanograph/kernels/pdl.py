@@ -33,9 +33,7 @@ def pdl_supported(device: torch.device) -> bool:
 
 def launch_options(device: torch.device) -> dict:
     """Keyword arguments for a kernel launch: the PDL constexpr and, on sm_90+, launch_pdl."""
-    if pdl_supported(device):
-        return dict(PDL=True, launch_pdl=True)
-    return dict(PDL=False)
+    return dict(PDL=True, launch_pdl=True) if pdl_supported(device) else dict(PDL=False)
 
 
 @triton.jit

@@ -14,7 +14,8 @@ one query per sequence.
   never synchronise with the host, so decode can be captured in a CUDA graph. For prefill, norm,
   rotary and the K/V store are one kernel (kernels/kv_store.py); decode does all of it inside
   its attention kernel (kernels/paged_decode.py), one dependent launch fewer per layer.
-- `flash_attn`: flash-attn's paged kernels, used when the package imports (needs block size 256);
+- `flash_attn`: flash-attn's paged kernels, by name only (needs block size 256; no GPU run has
+  tested it yet, so `auto` never picks it);
   the fused rotate-and-store kernel as with `triton`.
 """
 import torch
@@ -74,13 +75,6 @@ def triton_rotate_and_store(q, k, v, positions, rotary, k_cache, v_cache, slot_m
     return rotate_and_store(q, k, v, positions, *rotary, k_cache, v_cache, slot_mapping)
 
 
-def triton_rotate_store_and_decode(q, k, v, positions, rotary, k_cache, v_cache, md: StepMetadata,
-                                   scale: float) -> torch.Tensor:
-    from nanograph.kernels.paged_decode import paged_decode_attention
-    return paged_decode_attention(q, k, v, positions, md.slot_mapping, *rotary, k_cache, v_cache,
-                                  md.block_tables, md.context_lens, scale)
-
-
 def flash_attn_prefill(q, k_cache, v_cache, md: StepMetadata, scale: float) -> torch.Tensor:
     from flash_attn import flash_attn_varlen_func
     cu_k = F.pad(md.context_lens.cumsum(0, dtype=torch.int32), (1, 0))
@@ -95,49 +89,41 @@ def flash_attn_decode(q, k_cache, v_cache, md: StepMetadata, scale: float) -> to
                                    block_table=md.block_tables, softmax_scale=scale, causal=True).squeeze(1)
 
 
-def rotate_then(rotate_and_store, attend):
-    """A step that rotates q and k and stores K/V, then attends: two separate kernels."""
-    def step(q, k, v, positions, rotary, k_cache, v_cache, md: StepMetadata, scale: float):
-        q = rotate_and_store(q, k, v, positions, rotary, k_cache, v_cache, md.slot_mapping)
-        return attend(q, k_cache, v_cache, md, scale)
-    return step
+# name -> (prefill, decode), each (q, k_cache, v_cache, md, scale), q rotated and the new K/V stored
+# (triton's decode does that itself, see Attention.forward)
+ATTEND = {"torch": (torch_prefill, torch_decode), "triton": (triton_prefill, None),
+          "flash_attn": (flash_attn_prefill, flash_attn_decode)}
 
 
-BACKENDS = {  # name -> (prefill step, decode step), each (q, k, v, positions, rotary, caches, md, scale)
-    "torch": (rotate_then(torch_rotate_and_store, torch_prefill), rotate_then(torch_rotate_and_store, torch_decode)),
-    "triton": (rotate_then(triton_rotate_and_store, triton_prefill), triton_rotate_store_and_decode),
-    "flash_attn": (rotate_then(triton_rotate_and_store, flash_attn_prefill),
-                   rotate_then(triton_rotate_and_store, flash_attn_decode)),
-}
-
-
-def resolve_backend(name: str, device: torch.device, block_size: int) -> str:
+def resolve_backend(name: str, device: torch.device) -> str:
+    """`auto`: the project's Triton kernels on CUDA, the torch reference elsewhere. Never
+    flash_attn: no GPU test has run it yet, so it is used only when asked for by name."""
     if name != "auto":
         return name
-    if device.type != "cuda":
-        return "torch"
-    try:
-        import flash_attn  # noqa: F401
-        return "flash_attn" if block_size == 256 else "triton"  # its paged kernels need 256
-    except ImportError:
-        return "triton"
+    return "triton" if device.type == "cuda" else "torch"
 
 
 class Attention(nn.Module):
     """Rotates q and k, stores K/V for the new tokens, then attends.
     q: [tokens, Hq, D], k/v: [tokens, Hkv, D], straight out of the QKV projection."""
 
-    def __init__(self, head_dim: int, scale: float, rope, q_norm=None, k_norm=None):
+    def __init__(self, scale: float, rope, q_norm=None, k_norm=None):
         super().__init__()
-        self.head_dim, self.scale = head_dim, scale
+        self.scale = scale
         # (cos, sin, q_weight, k_weight, eps): what every backend takes for rotary and qk-norm. The
         # parent module owns these tensors; the loader fills the weights in place.
-        self.rotary = (rope.cos, rope.sin) + ((q_norm.weight, k_norm.weight, q_norm.eps) if q_norm else (None, None, 0.0))
+        qk_norm = (q_norm.weight, k_norm.weight, q_norm.eps) if q_norm else (None, None, 0.0)
+        self.rotary = (rope.cos, rope.sin, *qk_norm)
         self.backend = "torch"
         self.k_cache = self.v_cache = torch.empty(0)  # bound to the cache by ModelRunner
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         md = get_step_metadata()
-        prefill, decode = BACKENDS[self.backend]
-        step = prefill if md.is_prefill else decode
-        return step(q, k, v, positions, self.rotary, self.k_cache, self.v_cache, md, self.scale)
+        if self.backend == "triton" and not md.is_prefill:  # one kernel rotates, stores and attends
+            from nanograph.kernels.paged_decode import paged_decode_attention
+            return paged_decode_attention(q, k, v, positions, md.slot_mapping, *self.rotary, self.k_cache,
+                                          self.v_cache, md.block_tables, md.context_lens, self.scale)
+        rotate_and_store = torch_rotate_and_store if self.backend == "torch" else triton_rotate_and_store
+        q = rotate_and_store(q, k, v, positions, self.rotary, self.k_cache, self.v_cache, md.slot_mapping)
+        prefill, decode = ATTEND[self.backend]
+        return (prefill if md.is_prefill else decode)(q, self.k_cache, self.v_cache, md, self.scale)

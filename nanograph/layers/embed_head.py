@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from nanograph.layers.linear import linear, tp_rank, tp_size
+from nanograph.layers.linear import linear, parameter, tp_rank, tp_size
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -19,8 +19,7 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_size = vocab_size
         self.part = -(-vocab_size // tp_size())
         self.start = tp_rank() * self.part
-        self.weight = nn.Parameter(torch.zeros(self.part, dim))  # the last part may be padded
-        self.weight.weight_loader = self.weight_loader
+        self.weight = parameter(torch.zeros(self.part, dim), self.weight_loader)  # the last part may be padded
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         rows = loaded[self.start:self.start + self.part]

@@ -40,7 +40,8 @@ def configure_gemv(widest_input: int) -> None:
 
 
 def use_gemv(x: torch.Tensor | DeferredNorm) -> bool:
-    return x.is_cuda and x.shape[0] <= GEMV_MAX_ROWS
+    """A DeferredNorm is only ever made for the GEMV (models/decoder.py decides)."""
+    return isinstance(x, DeferredNorm) or (x.is_cuda and x.shape[0] <= GEMV_MAX_ROWS)
 
 
 def linear(x: torch.Tensor | DeferredNorm, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -53,6 +54,13 @@ def linear(x: torch.Tensor | DeferredNorm, weight: torch.Tensor, bias: torch.Ten
     if isinstance(x, DeferredNorm):
         return gemv(x.x, weight, bias, silu_and_mul, x.weight, x.eps, x.residual, x.residual_out)
     return gemv(x, weight, bias, silu_and_mul)
+
+
+def parameter(data: torch.Tensor, weight_loader) -> nn.Parameter:
+    """A parameter that carries the `weight_loader` cutting this rank's share out of a checkpoint tensor."""
+    param = nn.Parameter(data)
+    param.weight_loader = weight_loader
+    return param
 
 
 def tp_rank() -> int:
@@ -71,12 +79,8 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         self.part_starts = (0,)  # where each fused part's outputs start on this rank
         assert out_features % tp_size() == 0, f"{out_features} output features don't split over {tp_size()} ranks"
-        self.weight = nn.Parameter(torch.empty(out_features // tp_size(), in_features))
-        self.weight.weight_loader = self.weight_loader
-        self.bias = None
-        if bias:
-            self.bias = nn.Parameter(torch.empty(out_features // tp_size()))
-            self.bias.weight_loader = self.weight_loader
+        self.weight = parameter(torch.empty(out_features // tp_size(), in_features), self.weight_loader)
+        self.bias = parameter(torch.empty(out_features // tp_size()), self.weight_loader) if bias else None
 
     def shard_range(self, shard_id) -> tuple[int, int, int]:
         """(offset in the local param, rows to take, first row in the checkpoint tensor)."""
@@ -108,7 +112,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def shard_range(self, shard_id: int) -> tuple[int, int, int]:
         rows = self.output_sizes[shard_id] // tp_size()
-        return sum(self.output_sizes[:shard_id]) // tp_size(), rows, tp_rank() * rows
+        return self.part_starts[shard_id], rows, tp_rank() * rows
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -146,21 +150,15 @@ class RowParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
         assert in_features % tp_size() == 0, f"{in_features} input features don't split over {tp_size()} ranks"
-        self.weight = nn.Parameter(torch.empty(out_features, in_features // tp_size()))
-        self.weight.weight_loader = self.weight_loader
-        self.bias = None
-        if bias:
-            self.bias = nn.Parameter(torch.empty(out_features))
-            self.bias.weight_loader = lambda param, loaded, shard_id=None: param.data.copy_(loaded)
+        self.weight = parameter(torch.empty(out_features, in_features // tp_size()), self.weight_loader)
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None  # whole on every rank
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        cols = param.shape[1]
-        param.data.copy_(loaded[:, tp_rank() * cols:(tp_rank() + 1) * cols])
+        param.data.copy_(loaded.tensor_split(tp_size(), dim=1)[tp_rank()])
 
     def load_lora(self, slot: int, shard_id, a: torch.Tensor, b: torch.Tensor) -> None:
         """This rank's columns of A (its share of the input), all of B: the delta is a partial sum too."""
-        cols = self.weight.shape[1]
-        self.lora_a[slot, 0, :a.shape[0]] = a[:, tp_rank() * cols:(tp_rank() + 1) * cols]
+        self.lora_a[slot, 0, :a.shape[0]] = a.tensor_split(tp_size(), dim=1)[tp_rank()]
         self.lora_b[slot, :, :b.shape[1]] = b
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

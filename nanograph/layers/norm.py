@@ -1,4 +1,5 @@
-"""RMSNorm, with the residual add fused in: `norm(x, residual)` returns (normed, x + residual).
+"""RMSNorm, with the residual add fused in: `norm(x, residual)` returns (normed, x + residual),
+and `norm(x)` (the first layer's, which has no residual yet) returns (normed, x).
 
 Pre-norm transformers compute `h = x + f(norm(x))` twice per layer. Carrying the residual
 stream next to the hidden state lets the add and the norm run as one kernel on CUDA
@@ -33,14 +34,6 @@ class DeferredNorm:
     residual: torch.Tensor | None
     residual_out: torch.Tensor | None
 
-    @property
-    def shape(self) -> torch.Size:
-        return self.x.shape
-
-    @property
-    def is_cuda(self) -> bool:
-        return self.x.is_cuda
-
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -51,11 +44,11 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, defer: bool = False):
         if defer:
             out = DeferredNorm(x, self.weight, self.eps, residual, None if residual is None else torch.empty_like(x))
-            return out if residual is None else (out, out.residual_out)
+            return out, (x if residual is None else out.residual_out)
         if x.is_cuda:
             from nanograph.kernels.rms_norm import rms_norm as fused_rms_norm
-            return fused_rms_norm(x, self.weight, self.eps, residual)
-        if residual is None:
-            return rms_norm(x, self.weight, self.eps)
-        x = x + residual
+            out = fused_rms_norm(x, self.weight, self.eps, residual)
+            return out if residual is not None else (out, x)
+        if residual is not None:
+            x = x + residual
         return rms_norm(x, self.weight, self.eps), x

@@ -24,6 +24,10 @@ from nanograph.utils.compile import cuda_compiled
 from nanograph.utils.context import get_step_metadata
 
 
+def head_dim(cfg) -> int:
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
 def fuse_small_batch(x) -> bool:
     """Decode at small batch on CUDA: each norm is deferred into the GEMV that reads it, SiLU is
     fused into gate/up (layers/norm.py, kernels/gemv.py). Not in a step with LoRA adapters: their
@@ -40,7 +44,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 class DecoderAttention(nn.Module):
     def __init__(self, cfg, rope: RotaryEmbedding):
         super().__init__()
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.head_dim = head_dim(cfg)
         bias = getattr(cfg, "attention_bias", cfg.model_type == "qwen2")
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, self.head_dim, cfg.num_attention_heads,
                                           cfg.num_key_value_heads, bias)
@@ -52,14 +56,11 @@ class DecoderAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.rope = rope  # registered here too, so its cos/sin tables follow the model to its device
-        self.attn = Attention(self.head_dim, self.head_dim ** -0.5, rope, self.q_norm, self.k_norm)
+        self.attn = Attention(self.head_dim ** -0.5, rope, self.q_norm, self.k_norm)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = q.unflatten(-1, (self.num_heads, self.head_dim))
-        k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))
-        v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
+        heads = self.qkv_proj(x).unflatten(-1, (self.num_heads + 2 * self.num_kv_heads, self.head_dim))
+        q, k, v = heads.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         return self.o_proj(self.attn(positions, q, k, v).flatten(1))
 
 
@@ -88,10 +89,7 @@ class DecoderLayer(nn.Module):
         # residual carries the un-normalised stream; at small decode batches on CUDA both norms
         # are deferred into the GEMV that reads them (see norm.py)
         defer = fuse_small_batch(x)
-        if residual is None:
-            x, residual = self.input_layernorm(x, defer=defer), x
-        else:
-            x, residual = self.input_layernorm(x, residual, defer)
+        x, residual = self.input_layernorm(x, residual, defer)
         x = self.self_attn(positions, x)
         x, residual = self.post_attention_layernorm(x, residual, defer)
         return self.mlp(x), residual
@@ -101,10 +99,9 @@ class DecoderModel(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         rope = dict(getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {})
         rope.setdefault("rope_theta", getattr(cfg, "rope_theta", 10000.0))
-        rotary = RotaryEmbedding(head_dim, cfg.max_position_embeddings, rope)
+        rotary = RotaryEmbedding(head_dim(cfg), cfg.max_position_embeddings, rope)
         self.layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -124,8 +121,7 @@ class DecoderForCausalLM(nn.Module):
         super().__init__()
         if cfg.model_type not in ("llama", "qwen2", "qwen3"):
             raise ValueError(f"model_type {cfg.model_type!r} is not supported (llama, qwen2, qwen3 are)")
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        configure_gemv(max(cfg.hidden_size, cfg.num_attention_heads * head_dim // tp_size(),
+        configure_gemv(max(cfg.hidden_size, cfg.num_attention_heads * head_dim(cfg) // tp_size(),
                            cfg.intermediate_size // tp_size()))
         self.model = DecoderModel(cfg)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
