@@ -20,10 +20,10 @@ import json
 import os
 
 import torch
+import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from nanograph.layers.linear import tp_rank, tp_size
 
 
 def resolve_model_dir(model: str, weights: bool = True) -> str:
@@ -81,7 +81,7 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
         raise ValueError(f"model {model_dir!r}: no .safetensors files (use load_format='dummy' for random weights)")
     expected = expected_tensors(model)
     aliases = {n for n, _ in model.named_parameters(remove_duplicate=False)} - {n for n, _ in model.named_parameters()}
-    seen = set()
+    seen, sharded = set(), dist.is_initialized() and dist.get_world_size() > 1
     for file in files:
         for name, tensor in read_tensors(file):
             seen.add(name)
@@ -91,12 +91,12 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
             # a parameter without a weight_loader (a norm's weight) is not sharded: copied whole
             loader = getattr(param, "weight_loader", lambda p, loaded, shard_id: p.data.copy_(loaded))
             try:
-                if tp_size() == 1 and tuple(tensor.shape) != want:
+                if not sharded and tuple(tensor.shape) != want:
                     raise RuntimeError
                 loader(param, tensor, shard)
             except RuntimeError:  # with tensor parallelism: the rank's part (its expected shape) does not fit
                 raise ValueError(f"{name} in {file!r} has shape {tuple(tensor.shape)}; the model expects {want}"
-                                 + (f" (rank {tp_rank()}'s part of {tp_size()})" if tp_size() > 1 else "")) from None
+                                 + (f" (tensor-parallel rank {dist.get_rank()}'s part)" if sharded else "")) from None
     unplaced = {n for n in seen - set(expected) - aliases if ".rotary_emb." not in n}  # rotary caches, tied head
     for what, names in (("checkpoint tensor(s) the model has no place for", unplaced),
                         ("tensor(s) the model needs, missing from the checkpoint", set(expected) - seen)):
