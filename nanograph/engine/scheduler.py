@@ -54,7 +54,7 @@ class Batch:
     starts: list[int]       # per sequence: its first token computed this step (num_computed_tokens before)
     num_tokens: list[int]   # per sequence: tokens computed this step (a prefill chunk, or 1)
     samples: list[bool]     # per sequence: whether this step samples its next token (False: a chunk)
-    lora_slots: list[int] = field(default_factory=list)  # per sequence: its adapter's slot, -1 = none
+    lora_slots: list[int] | None = None                  # per sequence: adapter slot, -1 = none; None: no adapters
     lora_rank: int = 0                                   # rank bucket of the step's adapters, 0 = none
     lora_loads: list = field(default_factory=list)       # (slot, Adapter) to load before this step
 
@@ -123,6 +123,8 @@ class Scheduler:
 
     def assign_slots(self, batch: Batch) -> None:
         adapters = {s.adapter for s in batch.seqs if s.adapter}
+        if not adapters:
+            return  # the base model's step: no slots, rank 0
         for adapter in adapters:
             if adapter not in self.slot_of:
                 slot = len(self.slot_of)  # slots are taken in order and only ever change hands
@@ -133,8 +135,7 @@ class Scheduler:
                 batch.lora_loads.append((slot, adapter))
             self.slot_of.move_to_end(adapter)
         batch.lora_slots = [self.slot_of[s.adapter] if s.adapter else -1 for s in batch.seqs]
-        if adapters:
-            batch.lora_rank = next(r for r in self.lora_ranks if r >= max(a.rank for a in adapters))
+        batch.lora_rank = next(r for r in self.lora_ranks if r >= max(a.rank for a in adapters))
 
     def account(self, batch: Batch) -> Batch:
         """Treat `batch` as computed: give it adapter slots, advance the counters, give each
@@ -147,9 +148,13 @@ class Scheduler:
             if not batch.samples[-1]:
                 continue  # a prefill chunk: its logits predict nothing
             seq.token_ids.append(-1 - row)
-            if len(seq) - seq.num_prompt_tokens >= seq.params.max_tokens or len(seq) >= self.max_model_len:
+            if self.at_length_limit(seq, len(seq)):
                 self.running.remove(seq)  # its last token is decided: finishes in update()
         return batch
+
+    def at_length_limit(self, seq: Sequence, length: int) -> bool:
+        """Whether a sequence of `length` tokens has no room for another (max_tokens, max_model_len)."""
+        return length - seq.num_prompt_tokens >= seq.params.max_tokens or length >= self.max_model_len
 
     def preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
@@ -173,7 +178,7 @@ class Scheduler:
             seq.token_ids[end] = token
             p = seq.params
             if ((not p.ignore_eos and token in self.eos_ids) or (p.stop_token_ids and token in p.stop_token_ids)
-                    or end + 1 - seq.num_prompt_tokens >= p.max_tokens or end + 1 >= self.max_model_len):
+                    or self.at_length_limit(seq, end + 1)):
                 del seq.token_ids[end + 1:]  # a placeholder of the step already scheduled after this one
                 self.finish(seq)
                 finished.append(seq)
