@@ -28,7 +28,7 @@ class Config:
     enforce_eager: bool = False
     cuda_graph_max_bs: int | None = None       # None: min(max_num_seqs, 512); 0: no graphs
     cuda_graph_sizes: list[int] | None = None  # explicit bucket ladder (default: see cuda_graph.py)
-    attention_backend: str = "auto"            # auto | flash_attn | triton | torch
+    attention_backend: str = "auto"            # auto (resolved here) | flash_attn | triton | torch
     enable_prefix_caching: bool = True
     tensor_parallel_size: int = 1
     seed: int = 0
@@ -57,6 +57,8 @@ class Config:
             raise ValueError(f"attention_backend='flash_attn' needs kvcache_block_size=256, got {bs}")
         if self.cuda_graph_sizes is not None and (not self.cuda_graph_sizes or min(self.cuda_graph_sizes) < 1):
             raise ValueError(f"cuda_graph_sizes must be a non-empty list of sizes >= 1, got {self.cuda_graph_sizes}")
+        if self.attention_backend == "auto":  # never flash_attn: no GPU test has run it yet (layers/attention.py)
+            self.attention_backend = "triton" if self.device.startswith("cuda") else "torch"
         if self.overlap_scheduling is None:
             self.overlap_scheduling = self.device.startswith("cuda")
         self.model_dir = resolve_model_dir(self.model, weights=self.load_format != "dummy")

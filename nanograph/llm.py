@@ -31,10 +31,10 @@ off there by default.
 """
 import contextlib
 import os
-import time
 from collections import deque
 from itertools import count
 
+import torch.distributed as dist
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer, GenerationConfig
 
@@ -52,6 +52,9 @@ from nanograph.sampling_params import SamplingParams
 class LLM:
     def __init__(self, model: str, **kwargs):
         self.config = config = Config(model, **kwargs)
+        if dist.is_initialized():  # the layers shard over the default group (layers/linear.py): one at a time
+            raise RuntimeError("a torch.distributed process group is already initialised in this process "
+                               "(close the other LLM first)")
         self.tokenizer = None
         if any(os.path.exists(os.path.join(config.model_dir, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
             self.tokenizer = AutoTokenizer.from_pretrained(config.model_dir)
@@ -66,9 +69,8 @@ class LLM:
 
     def _eos_ids(self) -> frozenset[int]:
         """From the model's config, its generation config and its tokenizer, whichever exist."""
-        model_dir = self.config.model_dir
-        has_generation_config = os.path.exists(os.path.join(model_dir, "generation_config.json"))
-        gen = has_generation_config and GenerationConfig.from_pretrained(model_dir)
+        has_generation_config = os.path.exists(os.path.join(self.config.model_dir, "generation_config.json"))
+        gen = has_generation_config and GenerationConfig.from_pretrained(self.config.model_dir)
         values = (self.config.hf_config.eos_token_id, gen and gen.eos_token_id,
                   self.tokenizer and self.tokenizer.eos_token_id)
         return frozenset(i for v in values if v is not None for i in (v if isinstance(v, list) else [v]))
@@ -96,8 +98,7 @@ class LLM:
         if not prompt:
             raise ValueError(f"request {i}: empty prompt")
         vocab = cfg.hf_config.vocab_size
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
+        if (bad := [t for t in prompt if not 0 <= t < vocab]):
             raise ValueError(f"request {i}: token id {bad[0]} is outside the vocabulary [0, {vocab})")
         if len(prompt) >= cfg.max_model_len:
             raise ValueError(f"request {i}: prompt has {len(prompt)} tokens, max_model_len={cfg.max_model_len} "
@@ -115,18 +116,16 @@ class LLM:
         return list(prompt)
 
     def _adapter(self, i: int, request: LoRARequest | None) -> Adapter | None:
-        if request is None:
-            return None
-        if not self.config.enable_lora:
+        if request is not None and not self.config.enable_lora:
             raise ValueError(f"request {i}: a lora_request needs LLM(..., enable_lora=True)")
-        if not isinstance(request, LoRARequest):
+        if request is not None and not isinstance(request, LoRARequest):
             raise ValueError(f"request {i}: lora_request must be a LoRARequest, got {type(request).__name__}")
-        if request not in self.adapters:  # checked once per adapter, read from disk when it gets a slot
+        if request is not None and request not in self.adapters:  # checked once, read from disk when it gets a slot
             try:
                 self.adapters[request] = read_adapter(request, self.config.hf_config, self.config.max_lora_rank)
             except ValueError as e:
                 raise ValueError(f"request {i}: {e}") from None
-        return self.adapters[request]
+        return self.adapters.get(request)
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True, lora_request: LoRARequest | list[LoRARequest | None] | None = None,
@@ -163,24 +162,20 @@ class LLM:
     def _run(self, bar, lookahead: int) -> None:
         """The step loop: keep up to `lookahead` launched steps uncollected."""
         in_flight: deque[InFlight] = deque()
-        start, generated = time.perf_counter(), 0
         while self.scheduler.has_work() or in_flight:
             batch = self.scheduler.schedule()
             if batch is not None:
                 in_flight.append(self.runner.launch(batch))
             if len(in_flight) > lookahead or (batch is None and in_flight):
                 step = in_flight.popleft()
-                finished = self.scheduler.update(step.batch, self.runner.collect(step))
-                generated += sum(step.batch.samples)
-                bar.set_postfix_str(f"{generated / (time.perf_counter() - start):.0f} tok/s", refresh=False)
-                bar.update(len(finished))
+                bar.update(len(self.scheduler.update(step.batch, self.runner.collect(step))))
 
     def stats(self) -> dict:
         stats = {"prefix_cache_hit_tokens": self.block_manager.cache_hit_tokens,
                  "preemptions": self.scheduler.num_preemptions,
                  "overlap_discarded_tokens": self.scheduler.num_discarded_tokens,
                  "num_kvcache_blocks": self.runner.num_kv_blocks,
-                 "attention_backend": self.runner.backend}
+                 "attention_backend": self.config.attention_backend}
         if self.runner.graphs is not None:
             stats.update(self.runner.graphs.stats_dict())
         return stats

@@ -30,15 +30,15 @@ def test_shared_prefix_ref_counts_and_free():
     prompt = list(range(40))                      # 2 full blocks + 8 tokens
     s1 = seq(prompt)
     bm.allocate(s1)
-    assert s1.num_cached_tokens == 0 and len(s1.block_table) == 3
+    assert s1.num_computed_tokens == 0 and len(s1.block_table) == 3
     s2 = seq(prompt + [99], seq_id=1)
     bm.allocate(s2)                               # s1 not computed yet: nothing to share
-    assert s2.num_cached_tokens == 0 and set(s1.block_table).isdisjoint(s2.block_table)
+    assert s2.num_computed_tokens == 0 and set(s1.block_table).isdisjoint(s2.block_table)
     bm.free(s2)
     compute_all(bm, s1)
     s3 = seq(prompt + [7, 8], seq_id=2)
     bm.allocate(s3)
-    assert s3.num_cached_tokens == 2 * BS == s3.num_computed_tokens
+    assert s3.num_computed_tokens == 2 * BS
     assert s3.block_table[:2] == s1.block_table[:2] and s3.block_table[2] != s1.block_table[2]
     assert [bm.blocks[i].ref_count for i in s1.block_table] == [2, 2, 1]
     bm.free(s1)
@@ -75,7 +75,7 @@ def test_freed_blocks_stay_cached_until_evicted_lru():
     s4 = seq(list(range(2 * BS)) + [5], seq_id=3)
     bm.free(s2)
     bm.allocate(s4)                               # s1's first block survived and is reused
-    assert s4.num_cached_tokens == BS
+    assert s4.num_computed_tokens == BS
 
 
 def test_prefix_caching_off_never_shares():
@@ -85,7 +85,7 @@ def test_prefix_caching_off_never_shares():
     compute_all(bm, s1)
     s2 = seq(list(range(2 * BS)), seq_id=1)
     bm.allocate(s2)
-    assert s2.num_cached_tokens == 0 and not bm.hash_to_block_id
+    assert s2.num_computed_tokens == 0 and not bm.hash_to_block_id
 
 
 def test_scheduler_chunks_long_prompts_and_respects_limits():

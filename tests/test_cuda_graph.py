@@ -27,8 +27,11 @@ def test_find_bucket():
 
 def test_buffers_fill_live_rows_and_pad_the_rest():
     buf = DecodeBuffers(max_bs=8, max_blocks=4, device="cpu")
+    # before any step (what the captures run on) every row is padding
+    assert (buf.dev["slot_mapping"] == -1).all() and (buf.dev["lora_slots"] == -1).all()
+    assert not buf.dev["context_lens"].any()
     step = StepInput(False, [11, 12, 13], [5, 40, 7], [21, 99, 103], [6, 41, 8],
-                     [[1], [2, 3, 4], [6]], [0, 1, 2, 3])
+                     [[1, -1, -1], [2, 3, 4], [6, -1, -1]], [0, 1, 2, 3])
     buf.fill(step, bucket=4)
     dev = buf.dev
     assert dev["input_ids"][:4].tolist() == [11, 12, 13, 0]
@@ -38,7 +41,7 @@ def test_buffers_fill_live_rows_and_pad_the_rest():
     assert dev["block_tables"][1, :3].tolist() == [2, 3, 4] and dev["block_tables"][2, 0] == 6
     # a smaller batch later re-pads rows a bigger one had used
     for _ in range(2):  # both host mirrors
-        buf.fill(StepInput(False, [9], [3], [50], [4], [[7]], []), bucket=2)
+        buf.fill(StepInput(False, [9], [3], [50], [4], [[7]], [0, 1]), bucket=2)
         assert dev["slot_mapping"][:2].tolist() == [50, -1] and dev["context_lens"][:2].tolist() == [4, 0]
         assert dev["input_ids"][:2].tolist() == [9, 0]
 

@@ -243,27 +243,6 @@ def check_gemv(device, dtype, rows, n, k, bias, silu_and_mul, norm=None):
         assert torch.equal(r_out.cpu(), x + r)
 
 
-def check_rms_norm(device, dtype, rows, dim, residual):
-    """Against layers/norm.py's torch path (the CPU path), bit for bit up to float rounding."""
-    pytest.importorskip("triton")
-    from nanograph.kernels.rms_norm import rms_norm
-    from nanograph.layers.norm import rms_norm as ref_rms_norm
-
-    gen = torch.Generator().manual_seed(rows + dim)
-    x = torch.randn(rows, dim, generator=gen).to(dtype)
-    r = torch.randn(rows, dim, generator=gen).to(dtype) if residual else None
-    w = (1 + 0.1 * torch.randn(dim, generator=gen)).to(dtype)
-    ref_sum = x if r is None else x + r
-    ref = ref_rms_norm(ref_sum, w, 1e-6)
-    to = lambda t: None if t is None else t.to(device)
-    out = rms_norm(to(x), to(w), 1e-6, to(r))
-    if residual:
-        out, out_sum = out
-        assert torch.equal(out_sum.cpu(), ref_sum)
-    assert out.dtype == dtype
-    assert rel_err(out.cpu(), ref.float()) < tolerance(dtype) / 10
-
-
 def check_decode(device, dtype, block_size, group, head_dim, lens, num_kv_heads=2, qk_norm=True):
     """The fused kernel (rotate, store, attend) against the torch path, output and cache."""
     _, paged_decode, _ = kernels()
@@ -409,8 +388,19 @@ def test_gemv_lm_head_shape(rows):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("rows,dim", [(1, 1024), (37, 1000), (5, 4096)])
 @pytest.mark.parametrize("residual", [False, True])
-def test_rms_norm(dtype, rows, dim, residual):
-    check_rms_norm("cuda", dtype, rows, dim, residual)
+def test_compiled_rms_norm(dtype, rows, dim, residual):
+    """The norm runs compiled on CUDA (layers/norm.py): against the same function run eagerly."""
+    from nanograph.layers.norm import add_rms_norm, rms_norm
+
+    gen = torch.Generator().manual_seed(rows + dim)
+    x = torch.randn(rows, dim, generator=gen).to(dtype)
+    r = torch.randn(rows, dim, generator=gen).to(dtype) if residual else None
+    w = (1 + 0.1 * torch.randn(dim, generator=gen)).to(dtype)
+    ref_sum = x if r is None else x + r
+    out, out_sum = add_rms_norm(x.cuda(), None if r is None else r.cuda(), w.cuda(), 1e-6)
+    assert out.is_cuda and out.dtype == dtype
+    assert torch.equal(out_sum.cpu(), ref_sum)
+    assert rel_err(out.cpu(), rms_norm(ref_sum, w, 1e-6).float()) < tolerance(dtype) / 10
 
 
 @pytest.mark.gpu
@@ -420,7 +410,7 @@ def test_pdl_chain_in_cuda_graph():
     replayed on fresh inputs: an early start that read stale data would change the result."""
     pytest.importorskip("triton")
     from nanograph.kernels.gemv import gemv
-    from nanograph.kernels.rms_norm import rms_norm
+    from nanograph.layers.norm import add_rms_norm
     from nanograph.layers.norm import rms_norm as ref_rms_norm
 
     gen = torch.Generator().manual_seed(5)
@@ -442,7 +432,7 @@ def test_pdl_chain_in_cuda_graph():
                 residual = h + residual
                 gate, up = torch.nn.functional.linear(ref_rms_norm(residual, norm_w, 1e-6), w_up).chunk(2, dim=-1)
                 h = torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, w_down)
-        return rms_norm(h, norm_w, 1e-6, residual)[0] if fused else ref_rms_norm(h + residual, norm_w, 1e-6)
+        return add_rms_norm(h, residual, norm_w, 1e-6)[0] if fused else ref_rms_norm(h + residual, norm_w, 1e-6)
 
     stream = torch.cuda.Stream()  # warm up (compile) off the default stream before capture
     stream.wait_stream(torch.cuda.current_stream())
@@ -505,12 +495,6 @@ def test_decode_cuda_graph_replay(batch):
                                                     (False, True, "add_norm")])
 def test_gemv_interpreter(bias, silu_and_mul, norm):
     check_gemv("cpu", torch.float32, 3, 40, 24, bias, silu_and_mul, norm)
-
-
-@requires_interpreter
-@pytest.mark.parametrize("residual", [False, True])
-def test_rms_norm_interpreter(residual):
-    check_rms_norm("cpu", torch.float32, 3, 40, residual)
 
 
 @requires_interpreter

@@ -39,7 +39,7 @@ def test_bad_sampling_params(kwargs, message):
 
 
 def test_unknown_model_path_and_bad_knobs(tmp_path, tiny_model):
-    with pytest.raises(ValueError, match="no such local directory"):
+    with pytest.raises(ValueError, match="not a local directory and could not be fetched"):
         LLM(str(tmp_path / "missing" / "model"))
     with pytest.raises(ValueError, match="could not be fetched from the hub"):
         LLM("nanograph-test/definitely-not-a-model")

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from nanograph.kernels import gemv as gemv_module, pdl
 from nanograph.kernels.gemv import gemv
-from nanograph.kernels.rms_norm import rms_norm
+from nanograph.layers.norm import add_rms_norm
 from nanograph.layers.norm import rms_norm as torch_rms_norm
 
 SHAPES = {  # hidden, QKV out, Q out, intermediate, layers
@@ -47,7 +47,7 @@ def chain(x, weights, fast):
             residual = h + residual
             gate, up = F.linear(torch_rms_norm(residual, norm_w, 1e-6), gate_up).chunk(2, -1)
             h = F.linear(F.silu(gate) * up, down)
-    h = rms_norm(h, norm_w, 1e-6, residual)[0] if fast else torch_rms_norm(h + residual, norm_w, 1e-6)
+    h = add_rms_norm(h, residual, norm_w, 1e-6)[0] if fast else torch_rms_norm(h + residual, norm_w, 1e-6)
     return gemv(h, head) if fast else F.linear(h, head)
 
 

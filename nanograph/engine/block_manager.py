@@ -82,10 +82,9 @@ class BlockManager:
             seq.block_table.append(block.block_id)
             prefix_hash, hits = block.hash, hits + 1
         # Even a fully cached prompt recomputes its last token: its logits give the next token.
-        seq.num_cached_tokens = min(hits * self.block_size, len(seq) - 1)
-        seq.num_computed_tokens = seq.num_cached_tokens
+        seq.num_computed_tokens = min(hits * self.block_size, len(seq) - 1)
         seq.num_hashed_blocks = hits
-        self.cache_hit_tokens += seq.num_cached_tokens
+        self.cache_hit_tokens += seq.num_computed_tokens
 
     def register_computed_blocks(self, seq: Sequence, num_computed: int) -> None:
         """Enter the blocks of `seq` that its first `num_computed` tokens fill into the prefix cache.

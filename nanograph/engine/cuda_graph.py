@@ -18,7 +18,7 @@ What makes replay possible:
   batches above the largest bucket run eager.
 - One memory pool. Graphs are captured largest first into a shared pool: a smaller graph's
   intermediates fit in memory the larger one already reserved, so the ladder costs about one
-  graph's activations, not the sum (the per-capture log shows the deltas). Every graph copies
+  graph's activations, not the sum (`stats()["graph_memory_bytes"]`). Every graph copies
   its logits into one output tensor [largest bucket, vocab], read right after the replay.
 - Warm-up. Each bucket runs once eagerly before capture, so Triton autotuning, torch.compile
   and cuBLAS workspace allocations happen outside the recording.
@@ -98,9 +98,8 @@ class DecodeBuffers:
         self.hosts = [self._views(flat.numpy()) for flat in self.host_flats]
         self.dev = self._views(self.device_flat)
         self.turn = 0
-        for host in self.hosts:
-            self.fill_padding(host, 0, max_bs)
-        self.device_flat.copy_(self.host_flats[0])
+        for name, pad in self.FIELDS.items():  # what the captures run on: all rows padding
+            self.dev[name].fill_(pad)
 
     def _views(self, flat):
         n = self.max_bs
@@ -108,20 +107,14 @@ class DecodeBuffers:
         views["block_tables"] = flat[len(self.FIELDS) * n:].reshape(n, self.max_blocks)
         return views
 
-    def fill_padding(self, host: dict, start: int, end: int) -> None:
-        """Rows start..end-1 become padding."""
-        for name, value in self.FIELDS.items():
-            host[name][start:end] = value
-
     def fill(self, step, bucket: int) -> None:
         n, host, flat = len(step.input_ids), self.hosts[self.turn], self.host_flats[self.turn]
         self.turn ^= 1
-        for name in self.FIELDS:
+        for name, pad in self.FIELDS.items():
             value = getattr(step, name)
-            host[name][:n] = -1 if value is None else value  # lora_slots None: no adapters
-        for row, table in enumerate(step.block_tables):
-            host["block_tables"][row, :len(table)] = table
-        self.fill_padding(host, n, bucket)
+            host[name][:n] = pad if value is None else value  # lora_slots None: no adapters
+            host[name][n:bucket] = pad                        # rows n..bucket-1 are padding
+        host["block_tables"][:n, :len(step.block_tables[0])] = step.block_tables
         # one copy: the 1-D fields, then the block-table rows of the bucket, which follow them
         end = self.max_bs * len(self.FIELDS) + bucket * self.max_blocks
         self.device_flat[:end].copy_(flat[:end], non_blocking=True)
@@ -136,20 +129,15 @@ class GraphStats:
     real_rows: int = 0                                  # rows of real sequences over all replays
 
     def as_dict(self) -> dict:
-        replayed = sum(self.replays.values())
-        decode_steps = replayed + self.eager_steps
-        padded_rows = sum(bucket * n for (bucket, _), n in self.replays.items()) - self.real_rows
         per_bucket = Counter()
         for (bucket, _), n in self.replays.items():
             per_bucket[bucket] += n
-        return {
-            "decode_steps": decode_steps,
-            "graph_replays": replayed,
-            "graph_hit_rate": replayed / decode_steps if decode_steps else 0.0,
-            "padding_waste": padded_rows / self.real_rows if self.real_rows else 0.0,
-            "replays_per_bucket": dict(sorted(per_bucket.items())),
-            "replays_per_lora_bucket": {f"{b}x{r}": n for (b, r), n in sorted(self.replays.items()) if r},
-        }
+        replayed, padded_rows = per_bucket.total(), sum(b * n for b, n in per_bucket.items()) - self.real_rows
+        return {"decode_steps": replayed + self.eager_steps, "graph_replays": replayed,
+                "graph_hit_rate": replayed / max(1, replayed + self.eager_steps),
+                "padding_waste": padded_rows / max(1, self.real_rows),
+                "replays_per_bucket": dict(sorted(per_bucket.items())),
+                "replays_per_lora_bucket": {f"{b}x{r}": n for (b, r), n in sorted(self.replays.items()) if r}}
 
 
 class CudaGraphRunner:
@@ -182,9 +170,9 @@ class CudaGraphRunner:
     def capture(self) -> None:
         start, pool = time.perf_counter(), torch.cuda.graph_pool_handle()
         torch.cuda.synchronize()
-        base_reserved = reserved = torch.cuda.memory_reserved()
+        reserved = torch.cuda.memory_reserved()
         grid = [(bs, rank) for bs in self.ladder[::-1] for rank in self.ranks[::-1]]
-        for i, (bs, rank) in enumerate(tqdm(grid, desc="Capturing decode graphs", leave=False)):
+        for bs, rank in tqdm(grid, desc="Capturing decode graphs", leave=False):
             self.forward(bs, rank)  # warm-up: compile, autotune, allocate workspaces outside the graph
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
@@ -192,15 +180,12 @@ class CudaGraphRunner:
             with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                 self.forward(bs, rank)
             self.graphs[bs, rank] = graph
-            torch.cuda.synchronize()
-            now_reserved, allocated = torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
-            log.info("[graph %d/%d] bs=%d rank=%d pool reserved=%.1f MiB (delta %.1f MiB) allocated=%.1f MiB",
-                     i + 1, len(grid), bs, rank, now_reserved / 2**20, (now_reserved - reserved) / 2**20,
-                     allocated / 2**20)
-            reserved = now_reserved
+        torch.cuda.synchronize()
         set_step_metadata(None)
         self.capture_seconds = time.perf_counter() - start
-        self.graph_memory_bytes = reserved - base_reserved
+        self.graph_memory_bytes = torch.cuda.memory_reserved() - reserved
+        log.info("captured %d decode graphs in %.1f s, %.1f MiB", len(grid), self.capture_seconds,
+                 self.graph_memory_bytes / 2**20)
 
     def close(self) -> None:
         """Destroy the graphs now, whoever still holds this runner. NCCL counts every graph that
@@ -208,16 +193,13 @@ class CudaGraphRunner:
         reach zero: a graph left alive makes the tensor-parallel shutdown hang."""
         self.graphs.clear()
 
-    def can_run(self, n: int) -> bool:
-        return n <= self.ladder[-1]
-
     def replay(self, step) -> torch.Tensor | None:
         """Logits of a decode step from its graph; None (counted) when it must run eager."""
         n = len(step.input_ids)
-        if not self.can_run(n):
+        bucket = find_bucket(self.ladder, n)
+        if bucket is None:
             self.stats.eager_steps += 1
             return None
-        bucket = find_bucket(self.ladder, n)
         self.buffers.fill(step, bucket)
         self.graphs[bucket, step.lora_rank].replay()
         self.stats.replays[bucket, step.lora_rank] += 1

@@ -27,7 +27,6 @@ from nanograph.config import Config
 from nanograph.engine.cuda_graph import CudaGraphRunner
 from nanograph.engine.scheduler import Batch
 from nanograph.engine.step import StepInput, TokenTable, build_step
-from nanograph.layers.attention import resolve_backend
 from nanograph.layers.lora import add_lora_buffers, load_adapter
 from nanograph.layers.sampler import SamplingBatch, sample
 from nanograph.models.decoder import DecoderForCausalLM
@@ -51,11 +50,7 @@ class ModelRunner:
         self.device = torch.device(config.device)
         if self.device.type == "cuda" and config.tensor_parallel_size > 1:
             self.device = torch.device("cuda", rank)  # one GPU per tensor-parallel rank
-        if (dist.get_world_size() if dist.is_initialized() else 1) != config.tensor_parallel_size:
-            raise RuntimeError("the layers shard over torch.distributed's default group, whose size must be "
-                               f"tensor_parallel_size={config.tensor_parallel_size} (close the other LLM first)")
         self.block_size = config.kvcache_block_size
-        self.graphs = None  # "no graphs" has one spelling: this stays None
         torch.manual_seed(config.seed)
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(config.torch_dtype)  # build the weights in their final dtype directly
@@ -68,14 +63,14 @@ class ModelRunner:
             load_weights(self.model, config.model_dir)
         if config.enable_lora:
             add_lora_buffers(self.model, config.max_loras, config.max_lora_rank)
-        self.backend = resolve_backend(config.attention_backend, self.device)
         self.attention_layers = [layer.self_attn.attn for layer in self.model.model.layers]
         for attn in self.attention_layers:
-            attn.backend = self.backend
+            attn.backend = config.attention_backend
         first = self.model.model.layers[0].self_attn
         # one cache block of one layer: [block_size, kv_heads on this rank, head_dim]
         self.kv_block_shape = (self.block_size, first.num_kv_heads, first.head_dim)
         self.tokens = TokenTable(config.hf_config.vocab_size, config.max_num_seqs, self.device)
+        self.graphs = None  # "no graphs" has one spelling: this stays None (forward runs before capture)
         self.num_kv_blocks = self.allocate_kv_cache()
         if self.device.type == "cuda" and not config.enforce_eager and config.cuda_graph_max_bs != 0:
             self.graphs = CudaGraphRunner(self.model, config, self.device, self.tokens)
@@ -109,17 +104,14 @@ class ModelRunner:
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
 
     def measure_activation_peak(self) -> int:
-        """Run the largest prefill the scheduler can send once, on a scratch cache just big
-        enough for it, and return the activation memory it peaked at."""
+        """Run the largest prefill the scheduler can send once and return the activation memory it
+        peaked at. Its K/V is written nowhere (slot -1), and every block table reads one scratch block."""
         tokens = self.config.max_num_batched_tokens
         num_seqs = max(1, min(self.config.max_num_seqs, tokens // self.config.max_model_len))
-        n = tokens // num_seqs  # tokens per sequence, each sequence on its own consecutive blocks
-        blocks = -(-n // self.block_size)
-        self.bind_kv_cache(num_seqs * blocks)
-        slots = [s * blocks * self.block_size + p for s in range(num_seqs) for p in range(n)]
-        step = StepInput(True, [0] * n * num_seqs, list(range(n)) * num_seqs, slots,
-                         [n] * num_seqs, [list(range(s * blocks, (s + 1) * blocks)) for s in range(num_seqs)],
-                         list(range(0, n * num_seqs + 1, n)))
+        n = tokens // num_seqs  # tokens per sequence
+        self.bind_kv_cache(1)
+        step = StepInput(True, [0] * n * num_seqs, list(range(n)) * num_seqs, [-1] * n * num_seqs, [n] * num_seqs,
+                         [[0] * -(-n // self.block_size)] * num_seqs, list(range(0, n * num_seqs + 1, n)))
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
@@ -136,15 +128,11 @@ class ModelRunner:
         return torch.tensor(data, dtype=dtype, pin_memory=self.device.type == "cuda").to(self.device, non_blocking=True)
 
     def step_metadata(self, step: StepInput) -> StepMetadata:
-        width = max(map(len, step.block_tables))
-        tables = [t + [-1] * (width - len(t)) for t in step.block_tables]
         md = StepMetadata(step.is_prefill, self.upload(step.slot_mapping, torch.int64),
-                          self.upload(step.context_lens, torch.int32), self.upload(tables, torch.int32))
-        cu = step.cu_seqlens_q if step.is_prefill else range(len(step.input_ids) + 1)
-        if step.is_prefill:
-            md.cu_seqlens_q = self.upload(cu, torch.int32)
-            md.host_cu_seqlens_q, md.host_context_lens = cu, step.context_lens
-            md.max_seqlen_q = max(b - a for a, b in zip(cu, cu[1:]))
+                          self.upload(step.context_lens, torch.int32), self.upload(step.block_tables, torch.int32))
+        cu = step.cu_seqlens_q
+        md.cu_seqlens_q, md.max_seqlen_q = self.upload(cu, torch.int32), max(b - a for a, b in zip(cu, cu[1:]))
+        md.host_cu_seqlens_q, md.host_context_lens = cu, step.context_lens
         if step.lora_rank:  # each token takes its sequence's slot
             slots = [slot for slot, a, b in zip(step.lora_slots, cu, cu[1:]) for _ in range(a, b)]
             md.lora_rank, md.lora_slots = step.lora_rank, self.upload(slots, torch.int32)
@@ -166,9 +154,8 @@ class ModelRunner:
         set_step_metadata(self.step_metadata(step))
         hidden = self.model(ids, positions)
         set_step_metadata(None)
-        if step.is_prefill:
-            hidden = hidden[self.upload(step.cu_seqlens_q[1:], torch.int64) - 1]
-        return self.model.compute_logits(hidden)
+        last = self.upload(step.cu_seqlens_q[1:], torch.int64) - 1  # each sequence's last token
+        return self.model.compute_logits(hidden[last])
 
     def sampling_batch(self, batch: Batch) -> SamplingBatch:
         params = [seq.params for seq in batch.seqs]
@@ -188,8 +175,7 @@ class ModelRunner:
         logits = self.forward(build_step(batch, self.block_size))
         sampled = sample(logits, self.sampling_batch(batch))
         self.share_tokens(len(sampled), sampled)
-        tokens = torch.empty(len(sampled), dtype=torch.int64, pin_memory=self.device.type == "cuda")
-        tokens.copy_(sampled, non_blocking=True)
+        tokens = sampled.to("cpu", non_blocking=True)  # from the GPU: into pinned memory, without waiting
         done = torch.cuda.current_stream().record_event() if self.device.type == "cuda" else None
         return InFlight(batch, tokens, done)
 

@@ -122,8 +122,7 @@ class Scheduler:
         return {s.adapter for s in (*self.running, *seqs) if s.adapter}
 
     def assign_slots(self, batch: Batch) -> None:
-        adapters = {s.adapter for s in batch.seqs if s.adapter}
-        if not adapters:
+        if not (adapters := {s.adapter for s in batch.seqs if s.adapter}):
             return  # the base model's step: no slots, rank 0
         for adapter in adapters:
             if adapter not in self.slot_of:

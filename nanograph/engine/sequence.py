@@ -34,7 +34,6 @@ class Sequence:
         self.block_table: list[int] = []
         self.num_computed_tokens = 0
         self.num_hashed_blocks = 0   # leading blocks already registered in the prefix cache
-        self.num_cached_tokens = 0   # prompt tokens found in the prefix cache at the last admission
         self.generator = None if params.seed is None else torch.Generator(device).manual_seed(params.seed)
         self.adapter = adapter       # its LoRA adapter, None = the base model
         # the prefix cache's hash chain starts here: the same tokens under another adapter have other K/V

@@ -27,29 +27,23 @@ class StepInput:
     positions: list[int]
     slot_mapping: list[int]     # cache slot of each of those tokens
     context_lens: list[int]     # per sequence: keys to attend (cached + computed before + new)
-    block_tables: list[list[int]]
-    cu_seqlens_q: list[int]     # prefill only: per sequence offsets into input_ids (len = sequences + 1)
+    block_tables: list[list[int]]   # one row per sequence, all as wide as the widest, -1 past its blocks
+    cu_seqlens_q: list[int]     # per sequence offsets into input_ids (len = sequences + 1)
     lora_slots: list[int] | None = None   # per sequence: its adapter's slot, -1 (or None for all) = none
     lora_rank: int = 0                    # the step's LoRA rank bucket, 0 = no adapters
     lora_loads: list = field(default_factory=list)  # (slot, Adapter) to load first (scheduler.py)
 
 
 def build_step(batch: Batch, block_size: int) -> StepInput:
-    seqs = batch.seqs
-    if not batch.is_prefill:  # the hot path: one token per sequence, at position start
-        pos = batch.starts
-        return StepInput(False, [seq.token_ids[p] for seq, p in zip(seqs, pos)], pos,
-                         [seq.block_table[p // block_size] * block_size + p % block_size for seq, p in zip(seqs, pos)],
-                         [p + 1 for p in pos], [seq.block_table for seq in seqs], [], batch.lora_slots,
-                         batch.lora_rank, batch.lora_loads)
-    step = StepInput(True, [], [], [], [], [], [0], batch.lora_slots, batch.lora_rank, batch.lora_loads)
-    for row, seq in enumerate(seqs):
+    step = StepInput(batch.is_prefill, [], [], [], [], [], [0], batch.lora_slots, batch.lora_rank, batch.lora_loads)
+    width = max(len(seq.block_table) for seq in batch.seqs)
+    for row, seq in enumerate(batch.seqs):
         start, end = batch.starts[row], batch.end(row)
         step.input_ids += seq.token_ids[start:end]
         step.positions += range(start, end)
         step.slot_mapping += [seq.block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
         step.context_lens.append(end)
-        step.block_tables.append(seq.block_table)
+        step.block_tables.append(seq.block_table + [-1] * (width - len(seq.block_table)))
         step.cu_seqlens_q.append(len(step.input_ids))
     return step
 
@@ -59,12 +53,12 @@ class TokenTable:
 
     def __init__(self, vocab_size: int, max_rows: int, device):
         self.ids = torch.arange(vocab_size + max_rows, device=device)
-        self.rows = torch.arange(vocab_size + max_rows - 1, vocab_size - 1, -1, device=device)  # row r -> -1 - r
 
     def resolve(self, ids: torch.Tensor) -> torch.Tensor:
         return self.ids[ids]
 
     def put(self, sampled: torch.Tensor) -> torch.Tensor:
         """Keep a step's sampled ids for the next step's placeholders; returns the region they are in."""
-        self.ids.index_copy_(0, self.rows[:len(sampled)], sampled)
-        return self.ids[len(self.ids) - len(sampled):]
+        region = self.ids[len(self.ids) - len(sampled):]
+        region.copy_(sampled.flip(0))  # row r at index -1 - r
+        return region

@@ -61,8 +61,7 @@ IDLE_TIMEOUT = datetime.timedelta(days=365)    # a worker waits this long for th
 
 def init_distributed(config: Config, rank: int, store: dist.Store) -> None:
     """Join the default group (model collectives)."""
-    cuda = torch.device(config.device).type == "cuda"
-    if cuda:
+    if (cuda := torch.device(config.device).type == "cuda"):
         torch.cuda.set_device(rank)
     else:  # the ranks share the cores: oversubscribed, OpenMP's spinning threads starve the other ranks
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tensor_parallel_size))
@@ -86,9 +85,9 @@ def send_step(step: StepInput | None, group) -> None:
     if step is None:
         dist.broadcast(torch.zeros(HEADER, dtype=torch.int32), src=0, group=group)
         return
-    width = max(map(len, step.block_tables))
+    width = len(step.block_tables[0])
     lists = [getattr(step, name) for name in LISTS[:-1]] + [step.lora_slots or [-1] * len(step.context_lens)]
-    lists.append([x for t in step.block_tables for x in t + [-1] * (width - len(t))])
+    lists.append([x for t in step.block_tables for x in t])
     header = [1, step.is_prefill, step.lora_rank, len(step.lora_loads), width] + [len(x) for x in lists]
     dist.broadcast(torch.tensor(header, dtype=torch.int32), src=0, group=group)
     dist.broadcast(torch.tensor([x for part in lists for x in part], dtype=torch.int32), src=0, group=group)
@@ -147,9 +146,8 @@ def shutdown(procs: list, group_ref: list, num_threads: int) -> None:
             dist.distributed_c10d._abort_process_group()
     for p in procs:
         p.join(timeout=10)
-        if p.is_alive():
-            p.kill()
-            p.join()
+        p.kill()  # one that lingers (no-op for one that exited)
+        p.join()
     torch.set_num_threads(num_threads)
 
 
@@ -160,9 +158,6 @@ class TensorParallelRunner(ModelRunner):
         n = config.tensor_parallel_size
         if torch.device(config.device).type == "cuda" and torch.cuda.device_count() < n:
             raise ValueError(f"tensor_parallel_size={n} but only {torch.cuda.device_count()} GPUs are visible")
-        if dist.is_initialized():
-            raise RuntimeError("a torch.distributed process group is already initialised in this process "
-                               "(close the other LLM first)")
         self.group_ref = [None]
         store = dist.TCPStore("127.0.0.1", 0, n, is_master=True, wait_for_workers=False, timeout=STEP_TIMEOUT)
         ctx = mp.get_context("spawn")  # spawned children inherit os.environ (NCCL settings included)

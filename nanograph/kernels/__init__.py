@@ -5,7 +5,7 @@
   ("flash-decoding") over the paged cache; at small batch one kernel also rotates and stores.
 - ``paged_prefill.paged_prefill_attention``: packed variable-length prefill
   (causal, bottom-right aligned) over the paged cache.
-- ``gemv.gemv`` and ``rms_norm.rms_norm``: the linear layers and norms of a small decode batch.
+- ``gemv.gemv``: the linear layers of a small decode batch, with the norm before them folded in.
 - ``pdl``: programmatic dependent launch, which lets each of these kernels start (and load its
   weights) while the one before it finishes.
 

@@ -95,14 +95,6 @@ ATTEND = {"torch": (torch_prefill, torch_decode), "triton": (triton_prefill, Non
           "flash_attn": (flash_attn_prefill, flash_attn_decode)}
 
 
-def resolve_backend(name: str, device: torch.device) -> str:
-    """`auto`: the project's Triton kernels on CUDA, the torch reference elsewhere. Never
-    flash_attn: no GPU test has run it yet, so it is used only when asked for by name."""
-    if name != "auto":
-        return name
-    return "triton" if device.type == "cuda" else "torch"
-
-
 class Attention(nn.Module):
     """Rotates q and k, stores K/V for the new tokens, then attends.
     q: [tokens, Hq, D], k/v: [tokens, Hkv, D], straight out of the QKV projection."""

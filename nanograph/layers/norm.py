@@ -2,10 +2,12 @@
 and `norm(x)` (the first layer's, which has no residual yet) returns (normed, x).
 
 Pre-norm transformers compute `h = x + f(norm(x))` twice per layer. Carrying the residual
-stream next to the hidden state lets the add and the norm run as one kernel on CUDA
-(kernels/rms_norm.py). The arithmetic follows HF exactly (normalise in float32, cast back,
-then scale) so greedy outputs match transformers token for token in float32; the plain torch
-code below is the CPU path and the kernels' oracle.
+stream next to the hidden state lets the add and the norm run as one kernel on CUDA: the plain
+torch function below, compiled (utils/compile.py), which fuses the add, the float32 reduction
+and the scale into one kernel by itself. The arithmetic follows
+HF exactly (normalise in float32, cast back, then scale) so greedy outputs match transformers
+token for token in float32; uncompiled, the same function is the CPU path and the oracle of the
+GEMV's deferred norm.
 
 Deferred norms. In a decode step at small batch every norm feeds a GEMV (QKV, gate/up) that
 reads the whole input row anyway, so with `defer=True` the norm launches nothing: it returns a
@@ -17,11 +19,21 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from nanograph.utils.compile import cuda_compiled
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
+
+
+@cuda_compiled
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    """(rms_norm(x + residual), x + residual); without a residual (rms_norm(x), x)."""
+    if residual is not None:
+        x = x + residual
+    return rms_norm(x, weight, eps), x
 
 
 @dataclass
@@ -45,10 +57,4 @@ class RMSNorm(nn.Module):
         if defer:
             out = DeferredNorm(x, self.weight, self.eps, residual, None if residual is None else torch.empty_like(x))
             return out, (x if residual is None else out.residual_out)
-        if x.is_cuda:
-            from nanograph.kernels.rms_norm import rms_norm as fused_rms_norm
-            out = fused_rms_norm(x, self.weight, self.eps, residual)
-            return out if residual is not None else (out, x)
-        if residual is not None:
-            x = x + residual
-        return rms_norm(x, self.weight, self.eps), x
+        return add_rms_norm(x, residual, self.weight, self.eps)

@@ -55,7 +55,6 @@ class DecoderAttention(nn.Module):
         if cfg.model_type == "qwen3":
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.rope = rope  # registered here too, so its cos/sin tables follow the model to its device
         self.attn = Attention(self.head_dim ** -0.5, rope, self.q_norm, self.k_norm)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -29,8 +29,6 @@ from torch import nn
 def resolve_model_dir(model: str, weights: bool = True) -> str:
     if os.path.isdir(model):
         return model
-    if os.path.exists(model) or model.count("/") != 1:
-        raise ValueError(f"model {model!r}: no such local directory, and not a hub id (owner/name)")
     from huggingface_hub import snapshot_download
     patterns = ["*.json", "*.safetensors", "*.txt", "*.model"] if weights else ["*.json", "*.txt", "*.model"]
     try:
