@@ -13,7 +13,15 @@ What it measures (each section is a flag; with none, only the reference run):
   only the first `--hf-seqs` (32) sequences (it is ~30x slower), and its throughput grows with
   the number of concurrent requests, so nanograph with graphs runs those same sequences too (on an
   engine of its own: no prefix-cache hits from the full run): each ratio in the table is between
-  two runs of the same sequences.
+  two runs of the same sequences. Then the peers: engines that speak vLLM's offline API
+  (`LLM(path, ...)`, `llm.generate(prompts, SamplingParams(temperature, max_tokens, ignore_eos))`),
+  nano-vllm and vLLM, each in a subprocess of its own (`bench.py --peer-job`) on the whole workload.
+  They have no dummy weights, so the shape's random weights are written once as a safetensors
+  checkpoint (HF's init; config.json; a word-level tokenizer over the vocabulary, since nano-vllm
+  reads EOS from one) that every peer loads. Import them from `--peer-path` (default: every
+  directory in `.peers/` next to bench.py, e.g. nano-vllm's source) and the usual sys.path. A
+  peer that cannot run here (nano-vllm: Qwen3 only, CUDA only, flash-attn) or does not import is
+  a skipped row with the reason.
 - `--ladders`: the workload once per bucket ladder: `default` (the engine's own rule),
   `pow2` (1, 2, 4, ..., 512) and `nano-vllm` (1, 2, 4, 8, then every 16 up to 512), the last two
   built here and passed as `cuda_graph_sizes`: graphs captured, capture time, graph memory, hit
@@ -53,6 +61,8 @@ Why the numbers are comparable:
   (a first run on the machine) is reported apart and the engine built again.
 - Only the generation is timed: model building, KV-cache allocation, graph capture and a warm-up
   are outside the clock, for every engine alike (they are reported separately where they matter).
+  A peer's subprocess times its own generate call the same way (the same warm-up workload first)
+  and prints the figures as one JSON line that bench reads.
 - HF's `generate_batch` takes a single `max_new_tokens` for all requests, so bench drives its
   `ContinuousBatchingManager` directly (`init_continuous_batching`, `add_request(...,
   max_new_tokens=n)`, `get_result`), which is what `generate_batch` does underneath, with each
@@ -71,6 +81,8 @@ import json
 import os
 import platform
 import random
+import subprocess
+import sys
 import tempfile
 import time
 from collections import Counter
@@ -440,7 +452,7 @@ def overlap_probe(llm, setup: Setup) -> dict:
         prompt = [random.Random(4).randint(0, setup.max_token_id) for _ in range(prompt_len)]
         probe["gpu_busy_batch1"] = gpu_busy_share(llm, [prompt], new_tokens)
         probe["gpu_busy_workload"] = gpu_busy_share(llm, [p[:16] for p in setup.workload.prompts], new_tokens // 2)
-    if runner.graphs is not None and runner.graphs.can_run(1):  # last: it writes K/V into blocks it does not own
+    if runner.graphs is not None:  # last: it writes K/V into blocks it does not own
         step = decode_step(1, args.sweep_context_len, runner.block_size)
         probe["graph_step_ms"] = ms(time_forward(runner, step, setup.device, args.sweep_iters))
         probe["token_vs_step"] = probe["ms_per_token"] / probe["graph_step_ms"] if probe["ms_per_token"] else None
@@ -601,6 +613,110 @@ def run_hf(setup: Setup, workload: Workload) -> RunResult:
         report_leftover_memory("the HF model")
 
 
+# ---- peers: engines that speak vLLM's offline API, each in a subprocess ------------------------
+@dataclass
+class Peer:
+    name: str
+    module: str                     # `from <module> import LLM, SamplingParams`
+    model_types: tuple = ()         # the model types it implements (empty: any)
+    cuda_only: bool = False
+    prompt_dicts: bool = False      # token-id prompts as {"prompt_token_ids": ids} (vLLM), else the list itself
+
+
+PEERS = [Peer("nano-vllm", "nanovllm", model_types=("qwen3",), cuda_only=True),  # flash-attn, NCCL, CUDA graphs
+         Peer("vLLM", "vllm", prompt_dicts=True)]
+PEER_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".peers")  # e.g. .peers/nano-vllm (a source tree)
+PEER_TAG = "bench peer result: "  # the subprocess's one line of figures: PEER_TAG + JSON
+
+
+def write_checkpoint(setup: Setup) -> str:
+    """The shape's random weights as a checkpoint the peers load: HF's random init (seed 0) in the
+    run's dtype, saved as safetensors with its config.json (whose `dtype` nano-vllm builds the model
+    in), and a word-level tokenizer, "t0" .. "t<vocab-1>", with the config's EOS and BOS (nano-vllm
+    reads EOS from a tokenizer; the prompts are token ids, so nothing else uses it)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    path = os.path.join(setup.tmp, f"{setup.name}-checkpoint")
+    print(f"  [peers] writing the random-weight checkpoint to {path} ...", flush=True)
+    model = load_hf_model(setup, "sdpa")
+    model.save_pretrained(path)
+    config = model.config
+    del model
+    report_leftover_memory("the checkpoint's model")
+    tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(config.vocab_size)}, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=f"t{config.eos_token_id}",
+                            bos_token=f"t{config.bos_token_id}").save_pretrained(path)
+    return path
+
+
+def run_peer(setup: Setup, peer: Peer, checkpoint: str) -> RunResult:
+    """One peer on the whole workload, in a subprocess (its own CUDA context, all its memory back
+    when it exits). Never raises: a peer that cannot run here (the model type, the device) or does
+    not import is a skipped row, any other failure the row's error (the tail of its stderr printed)."""
+    args, work = setup.args, setup.workload
+    with open(os.path.join(checkpoint, "config.json")) as f:
+        model_type = json.load(f)["model_type"]
+    if peer.model_types and model_type not in peer.model_types:
+        return RunResult(peer.name, work.num_seqs, error=f"skipped: implements {', '.join(peer.model_types)} only, "
+                                                         f"not {model_type}")
+    if peer.cuda_only and not is_cuda(setup.device):
+        return RunResult(peer.name, work.num_seqs, error="skipped: runs on CUDA only")
+    job = {"module": peer.module, "prompt_dicts": peer.prompt_dicts, "model": checkpoint,
+           "engine_args": {"dtype": setup.dtype, "max_model_len": args.max_model_len, "tensor_parallel_size": args.tp},
+           "warmup": asdict(setup.warmup), "workload": asdict(work)}
+    job_path = os.path.join(setup.tmp, f"{setup.name}-{peer.module}-job.json")
+    with open(job_path, "w") as f:
+        json.dump(job, f)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [args.peer_path, os.environ.get("PYTHONPATH")])))
+    print(f"  [{peer.name}] in a subprocess: building the engine, warming up, timing {work.num_seqs} sequences ...",
+          flush=True)
+    try:
+        proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--peer-job", job_path], env=env,
+                              capture_output=True, text=True, timeout=args.peer_timeout)
+    except subprocess.TimeoutExpired:
+        return RunResult(peer.name, work.num_seqs, error=f"timed out after {args.peer_timeout:.0f} s")
+    results = [line[len(PEER_TAG):] for line in proc.stdout.splitlines() if line.startswith(PEER_TAG)]
+    if proc.returncode or not results:
+        tail = proc.stderr.strip().splitlines()[-20:] or ["no output"]
+        print("\n".join(f"    | {line}" for line in tail))
+        return RunResult(peer.name, work.num_seqs, error=f"exit status {proc.returncode}: {tail[-1]}")
+    result = json.loads(results[-1])
+    if "skipped" in result:
+        return RunResult(peer.name, work.num_seqs, error=f"skipped: {result['skipped']}")
+    label = " ".join(filter(None, [peer.name, result["version"]]))
+    note = "" if result["output_tokens"] == work.output_tokens else f"expected {work.output_tokens} output tokens"
+    return RunResult(label, work.num_seqs, result["output_tokens"], result["seconds"], note)
+
+
+def peer_job(job_path: str) -> None:
+    """The peer's side (`python bench.py --peer-job JOB`): import it, build its LLM on the checkpoint,
+    generate the warm-up workload, time one generate of the workload; print PEER_TAG + JSON."""
+    import importlib
+    with open(job_path) as f:
+        job = json.load(f)
+    try:
+        peer = importlib.import_module(job["module"])
+    except Exception as e:  # not installed, or a dependency missing (nano-vllm imports flash_attn)
+        print(PEER_TAG + json.dumps({"skipped": f"{job['module']} does not import: {type(e).__name__}: {e}"}))
+        return
+    llm = peer.LLM(job["model"], **job["engine_args"])
+
+    def generate(work: dict) -> int:
+        prompts = [{"prompt_token_ids": p} if job["prompt_dicts"] else p for p in work["prompts"]]
+        params = [peer.SamplingParams(temperature=work["temperature"], ignore_eos=True, max_tokens=n)
+                  for n in work["max_tokens"]]
+        outs = llm.generate(prompts, params, use_tqdm=False)  # nano-vllm: dicts; vLLM: RequestOutputs
+        return sum(len(o["token_ids"] if isinstance(o, dict) else o.outputs[0].token_ids) for o in outs)
+
+    generate(job["warmup"])
+    start = time.perf_counter()
+    tokens = generate(job["workload"])
+    seconds = time.perf_counter() - start
+    print(PEER_TAG + json.dumps({"version": getattr(peer, "__version__", None), "seconds": seconds,
+                                 "output_tokens": tokens}), flush=True)
+
+
 # ---- sections ----------------------------------------------------------------------------------
 def section_run(setup: Setup) -> RunResult:
     label = "nanograph (CUDA graphs)" if is_cuda(setup.device) else "nanograph (CPU, no graphs)"
@@ -624,6 +740,8 @@ def section_compare(setup: Setup, graphs: RunResult) -> list[RunResult]:
     if 0 < subset.num_seqs < setup.workload.num_seqs:  # HF's sequences, on nanograph too
         rows.append(run_nanograph(setup, f"{graphs.engine}, first {subset.num_seqs} sequences", subset))
     rows.append(run_hf(setup, setup.workload))
+    checkpoint = setup.model_dir if setup.load_format != "dummy" else write_checkpoint(setup)  # once, for every peer
+    rows += [run_peer(setup, peer, checkpoint) for peer in PEERS]
     for r, ratio in zip(rows, same_set_ratios(rows)):
         r.vs_nanograph = ratio
     print_table("Throughput (tok/s = output tokens / generate wall time); each ratio is against nanograph with "
@@ -631,7 +749,8 @@ def section_compare(setup: Setup, graphs: RunResult) -> list[RunResult]:
                 ["engine", "seqs", "output tokens", "seconds", "tok/s", "vs nanograph", "note"],
                 [[r.engine, r.num_seqs, f"{r.output_tokens:,}", f"{r.seconds:.2f}",
                   f"{r.tokens_per_s:,.0f}" if not r.error else "-", cell(r.vs_nanograph, ".3f", "x"),
-                  f"ERROR {r.error}" if r.error else r.note] for r in rows])
+                  (r.error if r.error.startswith("skipped") else f"ERROR {r.error}") if r.error else r.note]
+                 for r in rows])
     return rows
 
 
@@ -683,7 +802,8 @@ def decode_step(batch: int, context_len: int, block_size: int):
     pos = context_len - 1
     return StepInput(is_prefill=False, input_ids=[1] * batch, positions=[pos] * batch,
                      slot_mapping=[t[pos // block_size] * block_size + pos % block_size for t in tables],
-                     context_lens=[context_len] * batch, block_tables=tables, cu_seqlens_q=[])
+                     context_lens=[context_len] * batch, block_tables=tables,
+                     cu_seqlens_q=list(range(batch + 1)))
 
 
 @contextmanager
@@ -743,7 +863,7 @@ def measure_decode_sweep(llm, setup: Setup) -> dict:
     for bs in sweep_sizes(args.sweep_max_bs):
         step = decode_step(bs, ctx, runner.block_size)
         graph_s = eager_s = None
-        if runner.graphs is not None and runner.graphs.can_run(bs):
+        if runner.graphs is not None and runner.graphs.ladder[-1] >= bs:
             graph_s = time_forward(runner, step, setup.device, args.sweep_iters)
         if time_eager:
             with eager(runner):
@@ -756,7 +876,7 @@ def measure_decode_sweep(llm, setup: Setup) -> dict:
     # batch 1: the whole per-token loop (schedule, forward, sample) against the weight-read floor
     prompt_len, new_tokens = args.latency_lengths
     latency = {}
-    if runner.graphs is not None and runner.graphs.can_run(1):
+    if runner.graphs is not None:
         latency["graphs"] = per_token_latency(llm, setup, prompt_len, new_tokens, seed=2)
     if time_eager:
         with eager(runner):
@@ -985,7 +1105,7 @@ def throughput_bars(shapes: dict) -> list[tuple[str, float]]:
         rows += [r for r in report.get("overlap", {}).get("rows", []) if r["engine"] != report["run"]["engine"]]
         rows += [dict(r, engine=f"ladder {r['engine']}") for r in report.get("ladders", {}).get("rows", [])]
         bars += [(prefix + r["engine"].split(" [")[0].replace(" (continuous batching)", "")
-                  + (f" ({r['note']})" if r["note"] else ""), r["tokens_per_s"]) for r in rows]
+                  + (f" ({r['note']})" if r["note"] else ""), r["tokens_per_s"]) for r in rows if not r["error"]]
     return bars
 
 
@@ -1060,7 +1180,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--num-kvcache-blocks", type=int, help="fix the KV cache size (default: from memory)")
     p.add_argument("--quick", action="store_true", help="tiny model and workload (CI); every section runs, tiny")
-    p.add_argument("--compare", action="store_true", help="nanograph graphs vs eager vs HF transformers")
+    p.add_argument("--compare", action="store_true",
+                   help="nanograph graphs vs eager vs HF transformers vs the peers (nano-vllm, vLLM) that import")
     p.add_argument("--run", action="store_true", help="the reference workload (the default when no section is named)")
     p.add_argument("--ladders", action="store_true", help="the workload under each bucket ladder")
     p.add_argument("--decode-sweep", action="store_true", help="decode-step latency vs batch size, graph vs eager")
@@ -1072,6 +1193,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--hf-seqs", type=int, default=32,
                    help="HF runs the first N sequences of the workload (default 32; 256 = all of it; 0 = skip HF)")
     p.add_argument("--hf-timeout", type=float, default=300.0, help="give up on HF after this many seconds")
+    p.add_argument("--peer-path", default=os.pathsep.join(sorted(glob.glob(os.path.join(PEER_DIR, "*")))),
+                   help=f"prepended to the peers' PYTHONPATH ({os.pathsep}-separated; default: the directories in "
+                        f"{PEER_DIR})")
+    p.add_argument("--peer-timeout", type=float, default=600.0, help="give up on a peer's subprocess after this many "
+                                                                      "seconds (start-up included)")
     p.add_argument("--sweep-max-bs", type=int, help="largest decode-sweep batch (default 256, 8 with --quick)")
     p.add_argument("--sweep-context-len", type=int, help="decode-sweep context length (default 512, 32 with --quick)")
     p.add_argument("--sweep-iters", type=int, help="timed steps per size (default 20, 3 with --quick)")
@@ -1176,4 +1302,7 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--peer-job"]:  # a peer's subprocess (run_peer)
+        peer_job(sys.argv[2])
+    else:
+        main()

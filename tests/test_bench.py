@@ -1,5 +1,6 @@
 """bench.py: the reference workload is the one DESIGN.md names, its helpers compute what they say,
 and the quick run works end to end on the CPU."""
+import dataclasses
 import json
 import os
 import subprocess
@@ -134,7 +135,10 @@ def test_quick_bench_runs_end_to_end(tmp_path):
     assert run["output_tokens"] == requested  # ignore_eos: every request runs to its max_tokens
     assert run["tokens_per_s"] > 0 and run["error"] is None
 
-    graphs, eager, graphs_subset, hf = shape["compare"]["rows"]
+    graphs, eager, graphs_subset, hf, *peers = shape["compare"]["rows"]
+    assert [p["engine"].split()[0] for p in peers] == [peer.name for peer in bench.PEERS]
+    for p in peers:  # no peer runs on a CPU: each is a skipped row with its reason
+        assert p["error"].startswith("skipped: ") and p["vs_nanograph"] is None, p["error"]
     assert graphs == run and "eager" in eager["engine"] and eager["output_tokens"] == requested
     # HF runs the first 4 sequences, and so does nanograph: the ratios compare the same sequences
     assert graphs_subset["engine"].endswith("first 4 sequences") and hf["engine"].startswith("HF")
@@ -224,3 +228,95 @@ def test_quick_lora_section(tmp_path):
     assert all(r["output_tokens"] == work.output_tokens and r["tokens_per_s"] > 0 for r in e2e["rows"])
     assert e2e["changed_by_adapters"] == work.num_seqs  # every sequence has an adapter, and it matters
     assert e2e["no_adapters_equal_base"] == work.num_seqs  # float32 on the CPU: the same tokens
+
+
+# A stand-in for a peer engine: vLLM's offline API on nanograph (CPU), logging what it was given.
+# As nanovllm, it returns dicts and takes token-id lists; as vllm, it takes {"prompt_token_ids": ids}
+# and returns RequestOutput-like objects.
+FAKE_PEER = """
+import json, os
+from types import SimpleNamespace
+
+import nanograph
+from nanograph import SamplingParams
+from transformers import AutoConfig, AutoTokenizer
+
+VLLM = __name__ == "vllm"
+__version__ = "0.0-fake" if VLLM else None
+
+
+def log(**entry):
+    with open(os.environ["FAKE_PEER_LOG"], "a") as f:
+        f.write(json.dumps(dict(entry, peer=__name__)) + "\\n")
+
+
+class LLM:
+    def __init__(self, model, **kwargs):
+        tokenizer = AutoTokenizer.from_pretrained(model)  # as nano-vllm does, for EOS
+        log(model=model, kwargs=kwargs, files=sorted(os.listdir(model)), vocab=len(tokenizer),
+            eos=tokenizer.eos_token_id, dtype=str(AutoConfig.from_pretrained(model).dtype))
+        self.llm = nanograph.LLM(model, device="cpu", **kwargs)
+
+    def generate(self, prompts, params, use_tqdm=True):
+        if VLLM:
+            prompts = [p["prompt_token_ids"] for p in prompts]
+        log(prompts=prompts, max_tokens=[p.max_tokens for p in params], temperature=[p.temperature for p in params],
+            ignore_eos=[p.ignore_eos for p in params])
+        outs = self.llm.generate(prompts, params, use_tqdm=use_tqdm)
+        return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=o["token_ids"])]) for o in outs] if VLLM else outs
+"""
+
+
+def test_peers_get_the_same_checkpoint_and_workload(tmp_path, monkeypatch):
+    """--compare's peers, with fake nanovllm and vllm modules on --peer-path: the checkpoint is written
+    once and loaded by both, each gets the warm-up and then the workload (same prompts, lengths,
+    temperature, EOS ignored), and each prints a row that lands in the table with its ratio."""
+    for module in ("nanovllm", "vllm"):
+        (tmp_path / "peers" / module).mkdir(parents=True)
+        (tmp_path / "peers" / module / "__init__.py").write_text(FAKE_PEER)
+    log, out = tmp_path / "log.jsonl", tmp_path / "b.json"
+    monkeypatch.setenv("FAKE_PEER_LOG", str(log))
+    written, write = [], bench.write_checkpoint
+    monkeypatch.setattr(bench, "write_checkpoint", lambda setup: written.append(write(setup)) or written[-1])
+    # the fakes run on the CPU
+    monkeypatch.setattr(bench, "PEERS", [dataclasses.replace(p, cuda_only=False) for p in bench.PEERS])
+    bench.main(["--quick", "--device", "cpu", "--compare", "--hf-seqs", "0", "--peer-path", str(tmp_path / "peers"),
+                "--json", str(out)])
+
+    assert len(written) == 1
+    checkpoint = written[0]
+    entries = [json.loads(line) for line in log.read_text().splitlines()]
+    work, warm = bench.quick_workload(), bench.warmup_workload(True, bench.SHAPES["tiny"]["vocab_size"] - 1)
+    for module in ("nanovllm", "vllm"):
+        init, warmup, timed = [e for e in entries if e["peer"] == module]
+        files = init.pop("files")
+        assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(files)
+        assert init == {"peer": module, "model": checkpoint, "vocab": 512, "eos": 1, "dtype": "torch.float32",
+                        "kwargs": {"dtype": "float32", "max_model_len": 256, "tensor_parallel_size": 1}}
+        for call, w in ((warmup, warm), (timed, work)):
+            assert call["prompts"] == w.prompts and call["max_tokens"] == w.max_tokens
+            assert set(call["temperature"]) == {0.6} and set(call["ignore_eos"]) == {True}
+
+    rows = json.loads(out.read_text())["shapes"]["qwen3-0.6b"]["compare"]["rows"]
+    graphs, eager, hf, nano, vllm = rows
+    assert hf["error"].startswith("skipped")
+    assert (nano["engine"], vllm["engine"]) == ("nano-vllm", "vLLM 0.0-fake")
+    for row in (nano, vllm):
+        assert row["error"] is None and row["note"] == ""
+        assert (row["num_seqs"], row["output_tokens"]) == (work.num_seqs, work.output_tokens)
+        assert row["seconds"] > 0 and row["vs_nanograph"] == pytest.approx(row["tokens_per_s"] / graphs["tokens_per_s"])
+
+
+def test_peers_that_cannot_run_are_skipped_rows(tmp_path):
+    """Skipped rows with their reasons, and no ratio: a peer that does not import (its subprocess says
+    so), and nano-vllm on a Llama shape or on the CPU (bench knows without starting one)."""
+    args = bench.parse_args(["--quick", "--device", "cpu", "--peer-path", str(tmp_path)])
+    qwen, llama = (bench.build_setup(args, str(tmp_path), shape) for shape in ("qwen3-0.6b", "llama3.2-1b"))
+    missing = bench.run_peer(qwen, bench.Peer("missing", "no_such_peer_engine"), qwen.model_dir)
+    assert missing.error == ("skipped: no_such_peer_engine does not import: ModuleNotFoundError: "
+                             "No module named 'no_such_peer_engine'")
+    nano = bench.PEERS[0]  # no subprocess for these two: nano-vllm implements Qwen3 only, and on CUDA only
+    assert bench.run_peer(llama, nano, llama.model_dir).error == "skipped: implements qwen3 only, not llama"
+    cpu = bench.run_peer(qwen, nano, qwen.model_dir)
+    assert cpu.error == "skipped: runs on CUDA only"
+    assert bench.same_set_ratios([bench.RunResult("graphs", 8, 10, 1.0), missing, cpu]) == [1.0, None, None]
