@@ -53,12 +53,12 @@ class TokenTable:
 
     def __init__(self, vocab_size: int, max_rows: int, device):
         self.ids = torch.arange(vocab_size + max_rows, device=device)
+        self.rows = torch.arange(vocab_size + max_rows - 1, vocab_size - 1, -1, device=device)  # row r -> -1 - r
 
     def resolve(self, ids: torch.Tensor) -> torch.Tensor:
         return self.ids[ids]
 
     def put(self, sampled: torch.Tensor) -> torch.Tensor:
         """Keep a step's sampled ids for the next step's placeholders; returns the region they are in."""
-        region = self.ids[len(self.ids) - len(sampled):]
-        region.copy_(sampled.flip(0))  # row r at index -1 - r
-        return region
+        self.ids.index_copy_(0, self.rows[:len(sampled)], sampled)  # one kernel, no flip
+        return self.ids[len(self.ids) - len(sampled):]
