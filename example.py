@@ -10,7 +10,7 @@ from pathlib import Path
 import nanograph
 from nanograph import LLM, SamplingParams
 
-DEMO_MODEL = Path(nanograph.__file__).parent / "pretrained" / "stdlib-coder"
+DEMO_MODEL = Path(nanograph.__file__).parent / "pretrained" / "pycoder"
 DEMO_PROMPTS = [
     "def parse_header(line):\n",
     "class LRUCache:\n    def __init__(self, capacity):\n",

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from nanograph import LLM, SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
-DEMO = ROOT / "nanograph" / "pretrained" / "stdlib-coder"
+DEMO = ROOT / "nanograph" / "pretrained" / "pycoder"
 PROMPTS = ["def read_config(path):\n", "class Stack:\n    def __init__(self):\n", "import re\n"]
 
 
@@ -24,6 +24,10 @@ def test_bundled_model_matches_hf_greedy():
                           do_sample=False)[0, ids.shape[1]:].tolist()
         assert out["token_ids"] == ref
         assert out["text"] == tok.decode(ref) and out["text"].strip()
+
+
+def test_bundled_model_fits_the_package_budget():
+    assert (DEMO / "model.safetensors").stat().st_size <= 16 * 2**20
 
 
 def test_example_runs_offline_and_prints_completions():

@@ -55,7 +55,7 @@ def mqa_model(tmp_path_factory):
 def test_tp2_matches_tp1(tiny_model, mqa_model, family):
     path = mqa_model if family == "qwen3_mqa" else tiny_model(family)
     prompts = random_prompts([3, 17, 40, 33, 64])
-    (one, _), (two, stats) = greedy_tokens(path, prompts, enable_prefix_caching=False)
+    (one, _), (two, stats) = greedy_tokens(path, prompts, enable_prefix_caching=False, device="cpu")
     assert two == one
     assert stats["num_kvcache_blocks"] > 0 and stats["attention_backend"] == "torch"
 
