@@ -2,6 +2,17 @@
 
     python example.py                      # the bundled demo model: completes Python code, offline
     python example.py --model Qwen/Qwen3-0.6B --prompt "Hello"   # any HF checkpoint (dir or hub id)
+
+The demo model (nanograph/pretrained/pycoder, 8.2M parameters) is small: it writes plausible
+Python, not correct Python. What `python example.py --temperature 0` printed on a CPU (float32)
+for the second prompt:
+
+    class LRUCache:
+        def __init__(self, capacity):
+            self.cache = capacity
+
+        def __call__(self, *args, **kwargs):
+            return self.cache(*args, **kwargs)
 """
 import argparse
 import logging
