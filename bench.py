@@ -33,8 +33,8 @@ What it measures (each section is a flag; with none, only the reference run):
   copy bandwidth measured on this device. Plus batch-1 latency (ms per generated token through
   `generate`: scheduling and sampling included) against the weights' floor and the graph step.
 - `--overlap`: overlap scheduling (`LLM(overlap_scheduling=...)`) on and off side by side: the
-  workload's throughput, batch-1 ms per generated token next to the graph step at batch 1 of the
-  same engine, and how busy the GPU was in decode-heavy calls (union of its kernel and copy
+  workload's throughput, batch-1 ms per generated token (at the workload's temperature 0.6, and
+  greedy) next to the graph step at batch 1 of the same engine, and how busy the GPU was in decode-heavy calls (union of its kernel and copy
   intervals under torch.profiler / the span from the first to the last). The profiler slows the
   host, so those are calls of their own after the timed ones. The reference run's engine serves
   the mode it defaults to (on with CUDA); the other mode gets an engine of its own.
@@ -447,7 +447,8 @@ def overlap_probe(llm, setup: Setup) -> dict:
     and the workload's sequences with their prompts cut to 16 tokens (one prefill step)."""
     args, runner = setup.args, llm.runner
     prompt_len, new_tokens = args.latency_lengths
-    probe = {"ms_per_token": ms(per_token_latency(llm, setup, prompt_len, new_tokens, seed=2))}
+    probe = {"ms_per_token": ms(per_token_latency(llm, setup, prompt_len, new_tokens, seed=2)),
+             "greedy_ms_per_token": ms(per_token_latency(llm, setup, prompt_len, new_tokens, seed=5, temperature=0))}
     if is_cuda(setup.device):
         prompt = [random.Random(4).randint(0, setup.max_token_id) for _ in range(prompt_len)]
         probe["gpu_busy_batch1"] = gpu_busy_share(llm, [prompt], new_tokens)
@@ -455,7 +456,8 @@ def overlap_probe(llm, setup: Setup) -> dict:
     if runner.graphs is not None:  # last: it writes K/V into blocks it does not own
         step = decode_step(1, args.sweep_context_len, runner.block_size)
         probe["graph_step_ms"] = ms(time_forward(runner, step, setup.device, args.sweep_iters))
-        probe["token_vs_step"] = probe["ms_per_token"] / probe["graph_step_ms"] if probe["ms_per_token"] else None
+        for key in ("ms_per_token", "greedy_ms_per_token"):
+            probe[key.replace("ms_per_token", "vs_step")] = probe[key] / probe["graph_step_ms"] if probe[key] else None
     return probe
 
 
@@ -761,12 +763,13 @@ def section_overlap(setup: Setup, run: RunResult) -> list[RunResult]:
                                overlap_scheduling=other)]
     rows.sort(key=lambda r: not r.stats["overlap_scheduling"])  # on first
     (prompt_len, new_tokens), n = setup.args.latency_lengths, setup.workload.num_seqs
-    print_table("Overlap scheduling, same workload; batch 1: ms per generated token through generate, and the graph "
-                "step alone",
-                ["overlap", "tok/s", "batch-1 ms/token", "graph step b1 ms", "ms/token / step", "GPU busy, 1 seq",
-                 f"GPU busy, {n} seqs", "discarded tokens"],
+    print_table("Overlap scheduling, same workload; batch 1: ms per generated token through generate (temperature "
+                "0.6, and greedy), and the graph step alone",
+                ["overlap", "tok/s", "batch-1 ms/token", "greedy ms/token", "graph step b1 ms", "ms/token / step",
+                 "greedy / step", "GPU busy, 1 seq", f"GPU busy, {n} seqs", "discarded tokens"],
                 [[on_off(r.stats["overlap_scheduling"]), f"{r.tokens_per_s:,.0f}", cell(r.probe["ms_per_token"]),
-                  cell(r.probe.get("graph_step_ms")), cell(r.probe.get("token_vs_step"), ".2f", "x"),
+                  cell(r.probe["greedy_ms_per_token"]), cell(r.probe.get("graph_step_ms")),
+                  cell(r.probe.get("vs_step"), ".2f", "x"), cell(r.probe.get("greedy_vs_step"), ".2f", "x"),
                   cell(r.probe.get("gpu_busy_batch1"), ".1%"), cell(r.probe.get("gpu_busy_workload"), ".1%"),
                   r.stats.get("overlap_discarded_tokens", "-")] for r in rows])
     if is_cuda(setup.device):
@@ -820,16 +823,18 @@ def time_forward(runner, step, device: str, iters: int) -> float:
     return seconds_per_call(lambda: runner.forward(step), device, iters, warmup=3)
 
 
-def per_token_latency(llm, setup: Setup, prompt_len: int, new_tokens: int, seed: int) -> float | None:
+def per_token_latency(llm, setup: Setup, prompt_len: int, new_tokens: int, seed: int,
+                      temperature: float = 0.6) -> float | None:
     """Seconds per generated token of one sequence: (generate n tokens - generate 1) / (n - 1).
     Subtracting the 1-token run removes the prefill; fresh random prompts avoid prefix-cache hits;
-    the best of three runs of each filters out noise. None if noise still wins (a loaded CPU)."""
+    the best of three runs of each filters out noise. None if noise still wins (a loaded CPU).
+    Temperature 0.6 as in the workload (noise and the race kernel every step), 0 for greedy (an argmax)."""
     from nanograph import SamplingParams
     rng = random.Random(seed)
 
     def once(n: int) -> float:
         prompt = [rng.randint(0, setup.max_token_id) for _ in range(prompt_len)]
-        params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n)
+        params = SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=n)
         synchronize(setup.device)
         start = time.perf_counter()
         llm.generate([prompt], params, use_tqdm=False)

@@ -155,7 +155,7 @@ def test_quick_bench_runs_end_to_end(tmp_path):
     for row in (on, off):
         assert row["output_tokens"] == requested
         assert row["stats"].get("overlap_discarded_tokens", 0) == 0  # EOS ignored: no stop is seen late
-        assert "ms_per_token" in row["probe"]
+        assert {"ms_per_token", "greedy_ms_per_token"} <= set(row["probe"])
         assert not {"gpu_busy_batch1", "gpu_busy_workload", "graph_step_ms"} & set(row["probe"])  # CPU
     assert "busy shares skipped" in proc.stdout
 

@@ -19,13 +19,16 @@ from test_lora import adapters  # noqa: F401 (a fixture)
 from test_overlap import mixed_requests
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+# the tests run on the CPU (gloo), and the ones that take this also on 2 GPUs (NCCL, decode graphs)
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="needs 2 GPUs")])]
 
 
-def greedy_tokens(path, prompts, params=GREEDY, generations=1, **kwargs):
+def greedy_tokens(path, prompts, params=GREEDY, generations=1, device="cpu", **kwargs):
     """Token ids of `generations` identical generate calls, and the stats, at tp=1 then at tp=2."""
     results = []
     for tp in (1, 2):
-        with LLM(path, tensor_parallel_size=tp, kvcache_block_size=16, **kwargs) as llm:
+        with LLM(path, tensor_parallel_size=tp, kvcache_block_size=16, device=device, **kwargs) as llm:
             outs = [[o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
                     for _ in range(generations)]
             results.append((outs, llm.stats()))
@@ -55,7 +58,7 @@ def mqa_model(tmp_path_factory):
 def test_tp2_matches_tp1(tiny_model, mqa_model, family):
     path = mqa_model if family == "qwen3_mqa" else tiny_model(family)
     prompts = random_prompts([3, 17, 40, 33, 64])
-    (one, _), (two, stats) = greedy_tokens(path, prompts, enable_prefix_caching=False, device="cpu")
+    (one, _), (two, stats) = greedy_tokens(path, prompts, enable_prefix_caching=False)
     assert two == one
     assert stats["num_kvcache_blocks"] > 0 and stats["attention_backend"] == "torch"
 
@@ -71,22 +74,24 @@ def test_tp2_with_prefix_caching_and_preemption(tiny_model):
     assert s2["prefix_cache_hit_tokens"] == s1["prefix_cache_hit_tokens"] > 0
 
 
-def test_tp2_with_overlap_matches_tp1_without(tiny_model):
+@pytest.mark.parametrize("device", DEVICES)
+def test_tp2_with_overlap_matches_tp1_without(tiny_model, device):
     """The control message goes out while the previous step runs, and the workers resolve the
     placeholders from the sampled ids rank 0 broadcasts: same tokens, EOS and seeds included."""
     path = tiny_model("qwen3")
     prompts, params, eos = mixed_requests(path)
     outs = []
     for tp, overlap in ((1, False), (2, True)):
-        with LLM(path, tensor_parallel_size=tp, kvcache_block_size=16, overlap_scheduling=overlap,
-                 dtype="float32") as llm:
+        with LLM(path, tensor_parallel_size=tp, kvcache_block_size=16, device=device, overlap_scheduling=overlap,
+                 dtype="float32", cuda_graph_sizes=[1, 2, 4, 8]) as llm:
             llm.scheduler.eos_ids = frozenset({eos})
             outs.append([o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)])
             discarded = llm.stats()["overlap_discarded_tokens"]
     assert outs[1] == outs[0] and discarded > 0
 
 
-def test_tp2_lora_matches_tp1(tiny_model, adapters):
+@pytest.mark.parametrize("device", DEVICES)
+def test_tp2_lora_matches_tp1(tiny_model, adapters, device):
     """Column-parallel layers keep all of A and their rows of B, row-parallel ones their columns
     of A and all of B; with 2 slots for 3 adapters the workers follow rank 0's slot loads."""
     path, reqs = tiny_model("llama"), adapters("llama")
@@ -94,8 +99,8 @@ def test_tp2_lora_matches_tp1(tiny_model, adapters):
     loras = [reqs["qv8"], None, reqs["all16"], reqs["mlp4"], reqs["qv8"]]
     outs = []
     for tp in (1, 2):
-        with LLM(path, tensor_parallel_size=tp, kvcache_block_size=16, enable_lora=True, max_loras=2,
-                 max_lora_rank=16, dtype="float32") as llm:
+        with LLM(path, tensor_parallel_size=tp, kvcache_block_size=16, device=device, enable_lora=True, max_loras=2,
+                 max_lora_rank=16, dtype="float32", cuda_graph_sizes=[1, 2, 4, 8]) as llm:
             outs.append([o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)])
     assert outs[1] == outs[0]
 
@@ -104,14 +109,14 @@ def test_start_close_twice_leaves_no_process(tiny_model):
     prompts = random_prompts([5, 20])
     outs = []
     for _ in range(2):
-        llm = LLM(tiny_model("qwen3"), tensor_parallel_size=2, kvcache_block_size=16)
+        llm = LLM(tiny_model("qwen3"), tensor_parallel_size=2, kvcache_block_size=16, device="cpu")
         workers = list(llm.runner.procs)
         assert len(workers) == 1 and workers[0].is_alive()
         outs.append(llm.generate(prompts, GREEDY, use_tqdm=False))
         # the layers shard over the process-wide default group: one tensor-parallel LLM at a time
         for tp in (1, 2):
             with pytest.raises(RuntimeError, match="close the other LLM first"):
-                LLM(tiny_model("qwen3"), tensor_parallel_size=tp, kvcache_block_size=16)
+                LLM(tiny_model("qwen3"), tensor_parallel_size=tp, kvcache_block_size=16, device="cpu")
         assert llm.generate(prompts, GREEDY, use_tqdm=False) == outs[-1]
         llm.close()
         llm.close()  # idempotent
@@ -124,7 +129,7 @@ def test_start_close_twice_leaves_no_process(tiny_model):
 
 @pytest.mark.parametrize("when", ["between_steps", "mid_step"])
 def test_dead_worker_raises_instead_of_hanging(tiny_model, monkeypatch, when):
-    llm = LLM(tiny_model("llama"), tensor_parallel_size=2, kvcache_block_size=16)
+    llm = LLM(tiny_model("llama"), tensor_parallel_size=2, kvcache_block_size=16, device="cpu")
     llm.generate(random_prompts([8]), GREEDY, use_tqdm=False)
     runner, worker = llm.runner, llm.runner.procs[0]
     if when == "mid_step":  # hide the death from the check before the step: rank 0 meets it in a collective
@@ -156,7 +161,7 @@ def test_workers_do_not_outlive_their_parent(tiny_model, parent_end):
 import os, signal
 from nanograph import LLM
 if __name__ == "__main__":
-    llm = LLM({tiny_model("qwen3")!r}, tensor_parallel_size=2, kvcache_block_size=16)
+    llm = LLM({tiny_model("qwen3")!r}, tensor_parallel_size=2, kvcache_block_size=16, device="cpu")
     print(llm.runner.procs[0].pid, flush=True)
     if {parent_end == "killed"}:
         os.kill(os.getpid(), signal.SIGKILL)
@@ -180,7 +185,7 @@ def test_tp2_graphs_match_tp1_on_gpu(tiny_model, family):
     # each replay runs the captured NCCL all-reduces
     prompts = random_prompts([5 + 7 * i for i in range(13)], seed=3)
     params = [SamplingParams(temperature=0, max_tokens=4 + 3 * i, ignore_eos=True) for i in range(13)]
-    (one, s1), (two, s2) = greedy_tokens(tiny_model(family), prompts, params, dtype="float32",
+    (one, s1), (two, s2) = greedy_tokens(tiny_model(family), prompts, params, device="cuda", dtype="float32",
                                          cuda_graph_sizes=[1, 2, 4, 8])
     assert two == one
     assert s2["cuda_graph_sizes"] == [1, 2, 4, 8] and s2["replays_per_bucket"] == s1["replays_per_bucket"]
