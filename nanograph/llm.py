@@ -116,16 +116,18 @@ class LLM:
         return list(prompt)
 
     def _adapter(self, i: int, request: LoRARequest | None) -> Adapter | None:
-        if request is not None and not self.config.enable_lora:
+        if request is None:
+            return None
+        if not self.config.enable_lora:
             raise ValueError(f"request {i}: a lora_request needs LLM(..., enable_lora=True)")
-        if request is not None and not isinstance(request, LoRARequest):
+        if not isinstance(request, LoRARequest):
             raise ValueError(f"request {i}: lora_request must be a LoRARequest, got {type(request).__name__}")
-        if request is not None and request not in self.adapters:  # checked once, read from disk when it gets a slot
+        if request not in self.adapters:  # checked once per adapter, read from disk when it gets a slot
             try:
                 self.adapters[request] = read_adapter(request, self.config.hf_config, self.config.max_lora_rank)
             except ValueError as e:
                 raise ValueError(f"request {i}: {e}") from None
-        return self.adapters.get(request)
+        return self.adapters[request]
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True, lora_request: LoRARequest | list[LoRARequest | None] | None = None,

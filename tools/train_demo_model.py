@@ -140,19 +140,18 @@ def _spdx_permissive(expression: str) -> bool:
     """An SPDX expression is permissive if AND-ed ids all are and some OR-ed alternative is."""
     tokens = re.findall(r"[()]|[^\s()]+", re.sub(r"\s+WITH\s+\S+", "", expression))
 
-    def any_of(i):  # or-expression := all_of ("OR" all_of)*
-        ok, i = all_of(i)
-        while i < len(tokens) and tokens[i].upper() == "OR":
-            rhs, i = all_of(i + 1)
-            ok = ok or rhs
+    def chain(i, op, operand, combine):  # expression := operand (op operand)*
+        ok, i = operand(i)
+        while i < len(tokens) and tokens[i].upper() == op:
+            rhs, i = operand(i + 1)
+            ok = combine(ok, rhs)
         return ok, i
 
-    def all_of(i):  # and-expression := atom ("AND" atom)*
-        ok, i = atom(i)
-        while i < len(tokens) and tokens[i].upper() == "AND":
-            rhs, i = atom(i + 1)
-            ok = ok and rhs
-        return ok, i
+    def any_of(i):
+        return chain(i, "OR", all_of, lambda a, b: a or b)
+
+    def all_of(i):
+        return chain(i, "AND", atom, lambda a, b: a and b)
 
     def atom(i):
         if i < len(tokens) and tokens[i] == "(":

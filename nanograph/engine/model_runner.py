@@ -176,9 +176,7 @@ class ModelRunner:
         sampled = sample(logits, self.sampling_batch(batch))
         self.share_tokens(len(sampled), sampled)
         tokens = sampled.to("cpu", non_blocking=True)  # from the GPU: into pinned memory, without waiting
-        done = torch.cuda.Event() if self.device.type == "cuda" else None
-        if done is not None:
-            done.record()
+        done = torch.cuda.current_stream().record_event() if self.device.type == "cuda" else None
         return InFlight(batch, tokens, done)
 
     def share_tokens(self, rows: int, sampled: torch.Tensor | None = None) -> None:

@@ -60,5 +60,5 @@ class TokenTable:
 
     def put(self, sampled: torch.Tensor) -> torch.Tensor:
         """Keep a step's sampled ids for the next step's placeholders; returns the region they are in."""
-        self.ids.index_copy_(0, self.rows[:len(sampled)], sampled)  # one kernel, no flip
+        self.ids.index_copy_(0, self.rows[:len(sampled)], sampled)
         return self.ids[len(self.ids) - len(sampled):]

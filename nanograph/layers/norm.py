@@ -4,10 +4,9 @@ and `norm(x)` (the first layer's, which has no residual yet) returns (normed, x)
 Pre-norm transformers compute `h = x + f(norm(x))` twice per layer. Carrying the residual
 stream next to the hidden state lets the add and the norm run as one kernel on CUDA: the plain
 torch function below, compiled (utils/compile.py), which fuses the add, the float32 reduction
-and the scale into one kernel by itself. The arithmetic follows
-HF exactly (normalise in float32, cast back, then scale) so greedy outputs match transformers
-token for token in float32; uncompiled, the same function is the CPU path and the oracle of the
-GEMV's deferred norm.
+and the scale by itself. The arithmetic follows HF exactly (normalise in float32, cast back,
+then scale) so greedy outputs match transformers token for token in float32; uncompiled, the
+same function is the CPU path and the oracle of the GEMV's deferred norm.
 
 Deferred norms. In a decode step at small batch every norm feeds a GEMV (QKV, gate/up) that
 reads the whole input row anyway, so with `defer=True` the norm launches nothing: it returns a
