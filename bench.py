@@ -68,6 +68,9 @@ Why the numbers are comparable:
   max_new_tokens=n)`, `get_result`), which is what `generate_batch` does underneath, with each
   request's own length.
 
+`--attention-backend triton,flash_attn` runs every section asked for once per backend, one after
+the other in this process, each on an engine of its own (default `auto`: see layers/attention.py).
+
 `--quick --device cpu` runs every section on a tiny model of each shape's family (Qwen3 or Llama 3)
 and a tiny workload in float32, for CI (graph-only and profiled parts are skipped on the CPU, with
 a note). `--json PATH` writes every figure, `--plot PATH` draws decode latency vs batch size and
@@ -365,11 +368,13 @@ class Setup:
     warmup: Workload
     max_token_id: int
     tmp: str  # the run's temporary directory (model configs, LoRA adapters)
+    attention_backend: str = "auto"  # one of --attention-backend's, set by main for each in turn
 
     def llm(self, **overrides):
         from nanograph import LLM
         kwargs = dict(load_format=self.load_format, dtype=self.dtype, device=self.device,
-                      max_model_len=self.args.max_model_len, tensor_parallel_size=self.args.tp)
+                      max_model_len=self.args.max_model_len, tensor_parallel_size=self.args.tp,
+                      attention_backend=self.attention_backend)
         if self.args.num_kvcache_blocks:
             kwargs["num_kvcache_blocks"] = self.args.num_kvcache_blocks
         kwargs.update(overrides)
@@ -806,7 +811,7 @@ def decode_step(batch: int, context_len: int, block_size: int):
     return StepInput(is_prefill=False, input_ids=[1] * batch, positions=[pos] * batch,
                      slot_mapping=[t[pos // block_size] * block_size + pos % block_size for t in tables],
                      context_lens=[context_len] * batch, block_tables=tables,
-                     cu_seqlens_q=list(range(batch + 1)))
+                     cu_seqlens_q=list(range(batch + 1)), temperatures=[0.6] * batch, seeds=list(range(batch)))
 
 
 @contextmanager
@@ -828,7 +833,7 @@ def per_token_latency(llm, setup: Setup, prompt_len: int, new_tokens: int, seed:
     """Seconds per generated token of one sequence: (generate n tokens - generate 1) / (n - 1).
     Subtracting the 1-token run removes the prefill; fresh random prompts avoid prefix-cache hits;
     the best of three runs of each filters out noise. None if noise still wins (a loaded CPU).
-    Temperature 0.6 as in the workload (noise and the race kernel every step), 0 for greedy (an argmax)."""
+    Temperature 0.6 as in the workload, 0 for greedy (the sampler runs inside the decode graph either way)."""
     from nanograph import SamplingParams
     rng = random.Random(seed)
 
@@ -897,7 +902,7 @@ def print_decode_sweep(sweep: dict, cuda: bool) -> None:
     if not cuda:
         print("\n(CPU: no CUDA graphs, the decode sweep times the eager path only)")
     b = sweep["batch1"]
-    print_table(f"One decode step (forward, no sampling), context {sweep['context_len']}, {sweep['iters']} iterations; "
+    print_table(f"One decode step (forward and sampling at temperature 0.6), context {sweep['context_len']}, {sweep['iters']} iterations; "
                 f"floor = (weights + the batch's K/V) / {b['copy_bandwidth_Bps'] / 1e9:,.1f} GB/s",
                 ["batch", "graph ms", "eager ms", "speed-up", "floor ms", "graph/floor", "graph tok/s"],
                 [[r["batch"], cell(r["graph_ms"]), cell(r["eager_ms"]), cell(r["speedup"], ".2f", "x"),
@@ -1182,6 +1187,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", help="cuda or cpu (default: cuda if available)")
     p.add_argument("--dtype", help="default bfloat16 (float32 with --quick)")
     p.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
+    p.add_argument("--attention-backend", type=lambda t: t.split(","), default=["auto"],
+                   help="comma-separated: run every section once per backend, in this process (e.g. triton,flash_attn)")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--num-kvcache-blocks", type=int, help="fix the KV cache size (default: from memory)")
     p.add_argument("--quick", action="store_true", help="tiny model and workload (CI); every section runs, tiny")
@@ -1294,9 +1301,12 @@ def main(argv=None) -> dict:
         print(f"workload: {w.num_seqs} sequences, {w.prompt_tokens:,} prompt tokens, {w.output_tokens:,} output tokens"
               + (" (the reference workload)" if w.output_tokens == REFERENCE_OUTPUT_TOKENS else ""))
         for setup in setups:
-            if len(setups) > 1:
-                print(f"\n==== {setup.name} ====")
-            report["shapes"][setup.name] = run_sections(setup)
+            for backend in args.attention_backend:
+                setup.attention_backend = backend
+                key = setup.name if len(args.attention_backend) == 1 else f"{setup.name} ({backend})"
+                if len(setups) > 1 or key != setup.name:
+                    print(f"\n==== {key} ====")
+                report["shapes"][key] = run_sections(setup)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2, default=str)

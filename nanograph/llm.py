@@ -144,7 +144,7 @@ class LLM:
                 raise ValueError(f"got {len(prompts)} prompts but {len(values)} {name}")
         token_lists = [self._validate(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
         adapters = [self._adapter(i, request) for i, request in enumerate(loras)]
-        seqs = [Sequence(next(self.seq_ids), ids, sp, self.config.kvcache_block_size, self.config.device, adapter)
+        seqs = [Sequence(next(self.seq_ids), ids, sp, self.config.kvcache_block_size, self.config.seed, adapter)
                 for ids, sp, adapter in zip(token_lists, params, adapters)]
         for seq in seqs:
             self.scheduler.add(seq)

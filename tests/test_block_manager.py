@@ -8,7 +8,7 @@ BS = 16
 
 
 def seq(tokens, seq_id=0, **params):
-    return Sequence(seq_id, tokens, SamplingParams(**params), BS, "cpu")
+    return Sequence(seq_id, tokens, SamplingParams(**params), BS)
 
 
 def compute_all(bm: BlockManager, s: Sequence):

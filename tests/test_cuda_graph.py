@@ -31,9 +31,10 @@ def test_buffers_fill_live_rows_and_pad_the_rest():
     assert (buf.dev["slot_mapping"] == -1).all() and (buf.dev["lora_slots"] == -1).all()
     assert not buf.dev["context_lens"].any()
     step = StepInput(False, [11, 12, 13], [5, 40, 7], [21, 99, 103], [6, 41, 8],
-                     [[1, -1, -1], [2, 3, 4], [6, -1, -1]], [0, 1, 2, 3])
+                     [[1, -1, -1], [2, 3, 4], [6, -1, -1]], [0, 1, 2, 3], [0.5, 0.0, 1.25], [7, 8, 9])
     buf.fill(step, bucket=4)
     dev = buf.dev
+    assert dev["temperatures"][:4].tolist() == [0.5, 0.0, 1.25, 0.0] and dev["seeds"][:4].tolist() == [7, 8, 9, 0]
     assert dev["input_ids"][:4].tolist() == [11, 12, 13, 0]
     assert dev["positions"][:4].tolist() == [5, 40, 7, 0]
     assert dev["slot_mapping"][:4].tolist() == [21, 99, 103, -1]      # padded row writes no KV
@@ -41,7 +42,7 @@ def test_buffers_fill_live_rows_and_pad_the_rest():
     assert dev["block_tables"][1, :3].tolist() == [2, 3, 4] and dev["block_tables"][2, 0] == 6
     # a smaller batch later re-pads rows a bigger one had used
     for _ in range(2):  # both host mirrors
-        buf.fill(StepInput(False, [9], [3], [50], [4], [[7]], [0, 1]), bucket=2)
+        buf.fill(StepInput(False, [9], [3], [50], [4], [[7]], [0, 1], [1.0], [5]), bucket=2)
         assert dev["slot_mapping"][:2].tolist() == [50, -1] and dev["context_lens"][:2].tolist() == [4, 0]
         assert dev["input_ids"][:2].tolist() == [9, 0]
 
@@ -96,6 +97,23 @@ def test_graphs_match_eager_float32(tiny_model, family):
 
 @pytest.mark.gpu
 @gpu
+def test_sampling_in_the_graph_matches_eager(tiny_model):
+    """Temperature, seeded and unseeded rows, and top-p in the first steps: the graph's own sampler
+    (and the top-p pass after a replay) draws exactly what eager sampling draws."""
+    from nanograph import SamplingParams
+    from test_engine import random_prompts
+    prompts = random_prompts([5 + 7 * i for i in range(10)], seed=3)
+    params = [SamplingParams(temperature=0.9, max_tokens=4 + 3 * i, ignore_eos=True, seed=i if i % 2 else None,
+                             top_p=0.8 if i == 0 else 1.0) for i in range(10)]
+    (eager, graphs), (_, stats) = run_both(tiny_model("qwen3"), prompts, params, cuda_graph_sizes=[1, 2, 4, 8])
+    assert graphs == eager and stats["graph_replays"] > 0
+    greedy = [SamplingParams(temperature=0, max_tokens=p.max_tokens, ignore_eos=True) for p in params]
+    (greedy_eager, _), _ = run_both(tiny_model("qwen3"), prompts, greedy, cuda_graph_sizes=[1, 2, 4, 8])
+    assert greedy_eager != eager  # the rows really sampled
+
+
+@pytest.mark.gpu
+@gpu
 def test_graphs_match_eager_with_prefix_cache_and_preemption(tiny_model):
     from nanograph import SamplingParams
     from test_engine import random_prompts
@@ -127,7 +145,7 @@ def test_bf16_graph_logits_close_to_eager(tiny_model):
         tables = [[0, 1], [2, 3], [4, 5]]
         lens = [20, 31, 7]
         slots = [t[(n - 1) // 16] * 16 + (n - 1) % 16 for t, n in zip(tables, lens)]
-        step = StepInput(False, [3, 4, 5], [n - 1 for n in lens], slots, lens, tables, [0, 1, 2, 3])
+        step = StepInput(False, [3, 4, 5], [n - 1 for n in lens], slots, lens, tables, [0, 1, 2, 3], [0.0] * 3, [0] * 3)
         logits.append(runner.forward(step).float().cpu())
         del llm, runner
         torch.cuda.empty_cache()

@@ -28,7 +28,6 @@ from nanograph.engine.model_runner import InFlight
 from nanograph.engine.scheduler import Scheduler
 from nanograph.engine.sequence import Sequence
 from nanograph.engine.step import build_step
-from nanograph.layers.sampler import SamplingBatch
 from nanograph.llm import LLM
 from nanograph.sampling_params import SamplingParams
 
@@ -37,7 +36,7 @@ def reference_sequences(block_size: int = 256) -> list[Sequence]:
     rng = random.Random(0)  # bench.py's make_workload: all prompts, then all output lengths
     prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(100, 1024))] for _ in range(256)]
     lengths = [rng.randint(100, 1024) for _ in range(256)]
-    return [Sequence(i, p, SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n), block_size, "cpu")
+    return [Sequence(i, p, SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n), block_size)
             for i, (p, n) in enumerate(zip(prompts, lengths))]
 
 
@@ -50,7 +49,7 @@ def time_decode_bookkeeping(steps: int = 200) -> None:
         scheduler.update(batch, [1] * len(batch.seqs))
     scheduler.update(batch, [1] * len(batch.seqs))
     buffers = DecodeBuffers(512, 16, "cpu")
-    parts = dict.fromkeys(("schedule", "build", "fill", "sampling", "update"), 0.0)
+    parts = dict.fromkeys(("schedule", "build", "fill", "update"), 0.0)
     for _ in range(steps):
         t0 = time.perf_counter()
         batch = scheduler.schedule()
@@ -59,12 +58,9 @@ def time_decode_bookkeeping(steps: int = 200) -> None:
         t2 = time.perf_counter()
         buffers.fill(step, 256)
         t3 = time.perf_counter()
-        SamplingBatch(torch.tensor([s.params.temperature for s in batch.seqs]), False, None, None,
-                      [s.generator for s in batch.seqs])
-        t4 = time.perf_counter()
         scheduler.update(batch, [5] * len(batch.seqs))
-        t5 = time.perf_counter()
-        for name, dt in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
+        t4 = time.perf_counter()
+        for name, dt in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
             parts[name] += dt
     print(f"batch {len(batch.seqs)}: " + ", ".join(f"{k} {v / steps * 1e6:.0f} us" for k, v in parts.items())
           + f"; total {sum(parts.values()) / steps * 1e6:.0f} us per decode step")

@@ -23,9 +23,12 @@ What makes replay possible:
 - Warm-up. Each bucket runs once eagerly before capture, so Triton autotuning, torch.compile
   and cuBLAS workspace allocations happen outside the recording.
 
-What still runs outside the graph each decode step: filling the host mirror and its copy, and
-the sampler (per-request seeds and top-k/top-p branch on the host), whose ids are copied back
-to the host without waiting (model_runner.py). The LM head is inside the graph. Inside it, at
+The LM head and the sampler are inside the graph too: each row's temperature and seed are two
+more static inputs, and the sampled ids go straight into the token table for the next step
+(layers/sampler.py computes its noise, so it needs no random generator state). What still runs
+outside the graph each decode step: filling the host mirror and its copy, the non-blocking copy
+of the ids back to the host (model_runner.py), and, only for a batch that asks for top-k or
+top-p, a second sampling pass on the graph's logits. Inside the graph, at
 small batch, each kernel may start before the previous one ends (programmatic dependent
 launch, kernels/pdl.py): a graph removes the CPU's launch cost, PDL also hides each kernel's
 start-up on the GPU.
@@ -58,6 +61,7 @@ from tqdm.auto import tqdm
 
 from nanograph.engine.step import TokenTable
 from nanograph.layers.lora import rank_buckets
+from nanograph.layers.sampler import race
 from nanograph.utils.context import StepMetadata, set_step_metadata
 
 log = logging.getLogger("nanograph")
@@ -86,8 +90,9 @@ class DecodeBuffers:
     been collected, so its copy is done and that mirror is free to overwrite."""
 
     # the 1-D fields, each with its value in a padding row: token 0 at position 0, no cache slot,
-    # no context, no adapter (the block tables follow them)
-    FIELDS = {"input_ids": 0, "positions": 0, "slot_mapping": -1, "context_lens": 0, "lora_slots": -1}
+    # no context, no adapter, greedy (the block tables follow them; temperatures are float32 bits)
+    FIELDS = {"input_ids": 0, "positions": 0, "slot_mapping": -1, "context_lens": 0, "lora_slots": -1,
+              "temperatures": 0, "seeds": 0}
 
     def __init__(self, max_bs: int, max_blocks: int, device):
         self.max_bs, self.max_blocks = max_bs, max_blocks
@@ -95,7 +100,7 @@ class DecodeBuffers:
         self.device_flat = torch.zeros(size, dtype=torch.int32, device=device)
         pin = torch.device(device).type == "cuda"
         self.host_flats = [torch.zeros(size, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
-        self.hosts = [self._views(flat.numpy()) for flat in self.host_flats]
+        self.hosts = [{name: view.numpy() for name, view in self._views(flat).items()} for flat in self.host_flats]
         self.dev = self._views(self.device_flat)
         self.turn = 0
         for name, pad in self.FIELDS.items():  # what the captures run on: all rows padding
@@ -104,6 +109,7 @@ class DecodeBuffers:
     def _views(self, flat):
         n = self.max_bs
         views = {name: flat[i * n:(i + 1) * n] for i, name in enumerate(self.FIELDS)}
+        views["temperatures"] = views["temperatures"].view(torch.float32)
         views["block_tables"] = flat[len(self.FIELDS) * n:].reshape(n, self.max_blocks)
         return views
 
@@ -112,7 +118,7 @@ class DecodeBuffers:
         self.turn ^= 1
         for name, pad in self.FIELDS.items():
             value = getattr(step, name)
-            host[name][:n] = pad if value is None else value  # lora_slots None: no adapters
+            host[name][:n] = pad if value is None else value  # None: no adapters, all greedy
             host[name][n:bucket] = pad                        # rows n..bucket-1 are padding
         host["block_tables"][:n, :len(step.block_tables[0])] = step.block_tables
         # one copy: the 1-D fields, then the block-table rows of the bucket, which follow them
@@ -147,8 +153,9 @@ class CudaGraphRunner:
         self.ladder = sorted(set(config.cuda_graph_sizes or bucket_ladder(max_bs)))
         self.ranks = [0] + (rank_buckets(config.max_lora_rank) if config.enable_lora else [])
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (batch bucket, LoRA rank bucket) -> graph
-        # every graph's output, copied in: [max_bs, vocab]
+        # every graph's outputs, copied in: logits [max_bs, vocab] and the ids sampled from them
         self.logits = torch.empty(self.ladder[-1], config.hf_config.vocab_size, dtype=config.torch_dtype, device=device)
+        self.sampled = torch.zeros(self.ladder[-1], dtype=torch.int64, device=device)
         self.stats = GraphStats()
         max_blocks = -(-config.max_model_len // config.kvcache_block_size)
         self.buffers = DecodeBuffers(self.ladder[-1], max_blocks, device)
@@ -165,6 +172,8 @@ class CudaGraphRunner:
                                        dev["block_tables"][:bs], lora_rank=rank, lora_slots=dev["lora_slots"][:bs]))
         hidden = self.model(self.tokens.resolve(dev["input_ids"][:bs]), dev["positions"][:bs])
         self.logits[:bs] = self.model.compute_logits(hidden)
+        self.sampled[:bs] = race(self.logits[:bs], dev["temperatures"][:bs], dev["seeds"][:bs], dev["context_lens"][:bs])
+        self.tokens.put(self.sampled[:bs])
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -193,8 +202,8 @@ class CudaGraphRunner:
         reach zero: a graph left alive makes the tensor-parallel shutdown hang."""
         self.graphs.clear()
 
-    def replay(self, step) -> torch.Tensor | None:
-        """Logits of a decode step from its graph; None (counted) when it must run eager."""
+    def replay(self, step) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A decode step's logits and sampled ids from its graph; None (counted) when it must run eager."""
         n = len(step.input_ids)
         bucket = find_bucket(self.ladder, n)
         if bucket is None:
@@ -204,4 +213,4 @@ class CudaGraphRunner:
         self.graphs[bucket, step.lora_rank].replay()
         self.stats.replays[bucket, step.lora_rank] += 1
         self.stats.real_rows += n
-        return self.logits[:n]
+        return self.logits[:n], self.sampled[:n]

@@ -6,7 +6,8 @@ sampled token ids. It is split in two halves so the host never waits inside a st
 - `launch` queues all of that on the GPU and returns at once: the inputs go up with
   non-blocking copies from pinned memory, the sampled ids stay on the device (in the token
   table, where the next step's placeholders are resolved, step.py) and start a non-blocking
-  copy back into a pinned host tensor, followed by an event.
+  copy back into a pinned host tensor, followed by an event. For a graph replay the sampler is
+  inside the graph; only a batch that uses top-k / top-p samples after it (layers/sampler.py).
 - `collect` waits for that event and returns the ids as a list.
 Between the two the host is free: llm.py schedules and launches the next step there. Nothing in
 `launch` may synchronise with the GPU, or the overlap silently disappears: a `torch.tensor(list,
@@ -28,7 +29,7 @@ from nanograph.engine.cuda_graph import CudaGraphRunner
 from nanograph.engine.scheduler import Batch
 from nanograph.engine.step import StepInput, TokenTable, build_step
 from nanograph.layers.lora import add_lora_buffers, load_adapter
-from nanograph.layers.sampler import SamplingBatch, sample
+from nanograph.layers.sampler import sample
 from nanograph.models.decoder import DecoderForCausalLM
 from nanograph.utils.context import StepMetadata, set_step_metadata
 from nanograph.utils.loader import init_dummy_weights, load_weights
@@ -111,7 +112,8 @@ class ModelRunner:
         n = tokens // num_seqs  # tokens per sequence
         self.bind_kv_cache(1)
         step = StepInput(True, [0] * n * num_seqs, list(range(n)) * num_seqs, [-1] * n * num_seqs, [n] * num_seqs,
-                         [[0] * -(-n // self.block_size)] * num_seqs, list(range(0, n * num_seqs + 1, n)))
+                         [[0] * -(-n // self.block_size)] * num_seqs, list(range(0, n * num_seqs + 1, n)),
+                         [0.0] * num_seqs, [0] * num_seqs)
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
@@ -142,49 +144,36 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, step: StepInput) -> torch.Tensor:
-        """Logits [sequences, vocab] of each sequence's last computed token."""
+        """The token ids [sequences] sampled from each sequence's last computed token, also put in
+        the token table for the next step's placeholders. Every tensor-parallel rank runs this and
+        samples the same ids."""
         for slot, adapter in step.lora_loads:
             load_adapter(self.model, slot, adapter)
-        if not step.is_prefill and self.graphs is not None:
-            logits = self.graphs.replay(step)  # None: the batch is above the largest graph
-            if logits is not None:
-                return logits
+        # a decode step replays its graph, unless it is above the largest one (replay returns None)
+        if not step.is_prefill and self.graphs is not None and (replayed := self.graphs.replay(step)):
+            logits, sampled = replayed  # sampled in the graph, without top-k / top-p
+            return sampled if step.top_ks is None else self.sample(step, logits)
         ids = self.tokens.resolve(self.upload(step.input_ids, torch.int64))
         positions = self.upload(step.positions, torch.int64)
         set_step_metadata(self.step_metadata(step))
         hidden = self.model(ids, positions)
         set_step_metadata(None)
         last = self.upload(step.cu_seqlens_q[1:], torch.int64) - 1  # each sequence's last token
-        return self.model.compute_logits(hidden[last])
+        return self.sample(step, self.model.compute_logits(hidden[last]))
 
-    def sampling_batch(self, batch: Batch) -> SamplingBatch:
-        params = [seq.params for seq in batch.seqs]
-        vocab = self.config.hf_config.vocab_size
-        temps = self.upload([p.temperature for p in params], torch.float32)
-        top_ks = top_ps = None
-        if any(p.top_k > 0 or p.top_p < 1 for p in params):
-            top_ks = self.upload([p.top_k if p.top_k > 0 else vocab for p in params], torch.int64)
-            top_ps = self.upload([p.top_p for p in params], torch.float32)
-        # a seeded request draws only for the tokens it keeps (not for prefill chunks), so where its
-        # prompt was cut into chunks, or recomputed after a preemption, does not change its tokens
-        return SamplingBatch(temps, all(p.temperature == 0 for p in params), top_ks, top_ps,
-                             [seq.generator if keep else None for seq, keep in zip(batch.seqs, batch.samples)])
+    def sample(self, step: StepInput, logits: torch.Tensor) -> torch.Tensor:
+        top = [self.upload(step.top_ks, torch.int64), self.upload(step.top_ps, torch.float32)] if step.top_ks else []
+        sampled = sample(logits, self.upload(step.temperatures, torch.float32), self.upload(step.seeds, torch.int64),
+                         self.upload(step.context_lens, torch.int64), *top)
+        self.tokens.put(sampled)
+        return sampled
 
     @torch.inference_mode()
     def launch(self, batch: Batch) -> InFlight:
-        logits = self.forward(build_step(batch, self.block_size))
-        sampled = sample(logits, self.sampling_batch(batch))
-        self.share_tokens(len(sampled), sampled)
+        sampled = self.forward(build_step(batch, self.block_size))
         tokens = sampled.to("cpu", non_blocking=True)  # from the GPU: into pinned memory, without waiting
         done = torch.cuda.current_stream().record_event() if self.device.type == "cuda" else None
         return InFlight(batch, tokens, done)
-
-    def share_tokens(self, rows: int, sampled: torch.Tensor | None = None) -> None:
-        """Put the sampled ids in the token table. With tensor parallelism every rank needs them
-        there: rank 0 samples and broadcasts them; the workers call this too (without) and receive."""
-        region = self.tokens.put(sampled) if sampled is not None else self.tokens.ids[-rows:]
-        if dist.is_initialized():
-            dist.broadcast(region, src=0)
 
     @staticmethod
     def collect(launched: InFlight) -> list[int]:

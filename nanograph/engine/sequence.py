@@ -9,7 +9,6 @@ the tokens stay, their K/V is recomputed later.
 """
 from enum import Enum, auto
 
-import torch
 import xxhash
 
 from nanograph.lora import Adapter
@@ -23,8 +22,8 @@ class Status(Enum):
 
 
 class Sequence:
-    def __init__(self, seq_id: int, prompt: list[int], params: SamplingParams, block_size: int, device,
-                 adapter: Adapter | None = None):
+    def __init__(self, seq_id: int, prompt: list[int], params: SamplingParams, block_size: int,
+                 engine_seed: int = 0, adapter: Adapter | None = None):
         self.seq_id = seq_id
         self.token_ids = list(prompt)
         self.num_prompt_tokens = len(prompt)
@@ -34,7 +33,10 @@ class Sequence:
         self.block_table: list[int] = []
         self.num_computed_tokens = 0
         self.num_hashed_blocks = 0   # leading blocks already registered in the prefix cache
-        self.generator = None if params.seed is None else torch.Generator(device).manual_seed(params.seed)
+        # its sampling noise (layers/sampler.py): its own seed, else one made of the engine's seed and its
+        # id, so that runs repeat; 31 bits: an int32 on the device
+        seed = xxhash.xxh32_intdigest(b"%d" % seq_id, engine_seed) if params.seed is None else params.seed
+        self.seed = seed & 0x7FFFFFFF
         self.adapter = adapter       # its LoRA adapter, None = the base model
         # the prefix cache's hash chain starts here: the same tokens under another adapter have other K/V
         self.cache_salt = 0 if adapter is None else xxhash.xxh64_intdigest(repr(adapter.request).encode())

@@ -29,13 +29,22 @@ class StepInput:
     context_lens: list[int]     # per sequence: keys to attend (cached + computed before + new)
     block_tables: list[list[int]]   # one row per sequence, all as wide as the widest, -1 past its blocks
     cu_seqlens_q: list[int]     # per sequence offsets into input_ids (len = sequences + 1)
+    temperatures: list[float]   # per sequence, 0 = greedy
+    seeds: list[int]            # per sequence: its noise stream (layers/sampler.py)
+    top_ks: list[int] | None = None          # per sequence, -1 = off; None: no row uses top-k / top-p
+    top_ps: list[float] | None = None
     lora_slots: list[int] | None = None   # per sequence: its adapter's slot, -1 (or None for all) = none
     lora_rank: int = 0                    # the step's LoRA rank bucket, 0 = no adapters
     lora_loads: list = field(default_factory=list)  # (slot, Adapter) to load first (scheduler.py)
 
 
 def build_step(batch: Batch, block_size: int) -> StepInput:
-    step = StepInput(batch.is_prefill, [], [], [], [], [], [0], batch.lora_slots, batch.lora_rank, batch.lora_loads)
+    params = [seq.params for seq in batch.seqs]
+    step = StepInput(batch.is_prefill, [], [], [], [], [], [0], [p.temperature for p in params],
+                     [seq.seed for seq in batch.seqs], lora_slots=batch.lora_slots, lora_rank=batch.lora_rank,
+                     lora_loads=batch.lora_loads)
+    if any(p.top_k > 0 or p.top_p < 1 for p in params):
+        step.top_ks, step.top_ps = [p.top_k for p in params], [p.top_p for p in params]
     width = max(len(seq.block_table) for seq in batch.seqs)
     for row, seq in enumerate(batch.seqs):
         start, end = batch.starts[row], batch.end(row)
@@ -58,7 +67,6 @@ class TokenTable:
     def resolve(self, ids: torch.Tensor) -> torch.Tensor:
         return self.ids[ids]
 
-    def put(self, sampled: torch.Tensor) -> torch.Tensor:
-        """Keep a step's sampled ids for the next step's placeholders; returns the region they are in."""
+    def put(self, sampled: torch.Tensor) -> None:
+        """Keep a step's sampled ids for the next step's placeholders."""
         self.ids.index_copy_(0, self.rows[:len(sampled)], sampled)
-        return self.ids[len(self.ids) - len(sampled):]

@@ -13,11 +13,12 @@ What is sent each step, and how. The rank-0 runner is a `ModelRunner` whose `for
 sends the step's `StepInput` to the workers as int32 tensors (a header of lengths, then the
 lists back to back: two gloo broadcasts, no pickle; only the rare LoRA adapter loads follow as a
 small pickled list) over a second, gloo-only process group: the control group. The workers
-run the same `forward` on their shard. Only rank 0 samples; it broadcasts the sampled ids on
-the device (one small NCCL broadcast), because the next step's placeholder tokens (step.py)
-are resolved on every rank from its own copy of them. (Sampling on every rank from the
-all-gathered logits would also work, but every rank would then need every request's seeded
-generator, in step.) With overlap scheduling rank 0 sends step N+1 while the GPUs still run
+run the same `forward` on their shard, sampler included: the next step's placeholder tokens
+(step.py) are resolved on every rank from its own token table, and since the sampler's noise
+is a hash of each request's seed and position (layers/sampler.py), every rank draws the same
+ids from the same all-gathered logits: nothing is exchanged. So the message carries each
+row's temperature, seed, top-k and top-p too (floats as their bits). With overlap scheduling
+rank 0 sends step N+1 while the GPUs still run
 step N, and a worker queues it at once: nothing on either side waits for the GPU. One message
 per step keeps the ranks in lockstep by construction, and sending the inputs rather than
 sequences keeps the workers free of any scheduler state. The control messages go through gloo,
@@ -74,23 +75,25 @@ def control_group():
     return dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
 
 
-LISTS = ("input_ids", "positions", "slot_mapping", "context_lens", "cu_seqlens_q", "lora_slots")
+LISTS = ("input_ids", "positions", "slot_mapping", "context_lens", "cu_seqlens_q", "temperatures", "seeds", "top_ks",
+         "top_ps", "lora_slots")
+FLOATS = ("temperatures", "top_ps")  # sent as their float32 bits
 HEADER = 5 + len(LISTS) + 1  # see send_step
 
 
 def send_step(step: StepInput | None, group) -> None:
     """Rank 0: a header [1, is_prefill, LoRA rank, adapter loads, table width, the length of each
-    list], then the lists and the padded block tables back to back, as int32 tensors; an all-zero
-    header (None) tells the workers to exit. Adapter loads, rare, follow as a pickle."""
+    list], then the lists and the block tables back to back, as int32 tensors (a None list, such
+    as top_ks when no row uses it, goes as an empty one); an all-zero header (None) tells the
+    workers to exit. Adapter loads, rare, follow as a pickle."""
     if step is None:
         dist.broadcast(torch.zeros(HEADER, dtype=torch.int32), src=0, group=group)
         return
-    width = len(step.block_tables[0])
-    lists = [getattr(step, name) for name in LISTS[:-1]] + [step.lora_slots or [-1] * len(step.context_lens)]
-    lists.append([x for t in step.block_tables for x in t])
-    header = [1, step.is_prefill, step.lora_rank, len(step.lora_loads), width] + [len(x) for x in lists]
-    dist.broadcast(torch.tensor(header, dtype=torch.int32), src=0, group=group)
-    dist.broadcast(torch.tensor([x for part in lists for x in part], dtype=torch.int32), src=0, group=group)
+    parts = [torch.tensor(getattr(step, name) or [], dtype=torch.float32 if name in FLOATS else torch.int32)
+             .view(torch.int32) for name in LISTS] + [torch.tensor(step.block_tables, dtype=torch.int32).flatten()]
+    header = [1, step.is_prefill, step.lora_rank, len(step.lora_loads), len(step.block_tables[0])]
+    dist.broadcast(torch.tensor(header + [len(part) for part in parts], dtype=torch.int32), src=0, group=group)
+    dist.broadcast(torch.cat(parts), src=0, group=group)
     if step.lora_loads:
         dist.broadcast_object_list([step.lora_loads], src=0, group=group)
 
@@ -103,12 +106,14 @@ def receive_step(group) -> StepInput | None:
         return None
     payload = torch.empty(sum(lengths), dtype=torch.int32)
     dist.broadcast(payload, src=0, group=group)
-    *lists, tables = (part.tolist() for part in payload.split(lengths))
+    *parts, tables = payload.split(lengths)
+    lists = {name: (part.view(torch.float32) if name in FLOATS else part).tolist() or None
+             for name, part in zip(LISTS, parts)}
     lora_loads = [[]]
     if loads:
         dist.broadcast_object_list(lora_loads, src=0, group=group)
-    return StepInput(bool(is_prefill), block_tables=[tables[i:i + width] for i in range(0, len(tables), width)],
-                     lora_rank=lora_rank, lora_loads=lora_loads[0], **dict(zip(LISTS, lists)))
+    return StepInput(bool(is_prefill), block_tables=tables.view(-1, width).tolist(), lora_rank=lora_rank,
+                     lora_loads=lora_loads[0], **lists)
 
 
 def worker_main(config: Config, rank: int, port: int) -> None:
@@ -121,8 +126,7 @@ def worker_main(config: Config, rank: int, port: int) -> None:
     runner = ModelRunner(config, rank)
     group = control_group()
     while (step := receive_step(group)) is not None:
-        runner.forward(step)
-        runner.share_tokens(len(step.context_lens))  # receive the ids rank 0 sampled
+        runner.forward(step)  # samples the same ids as rank 0
     runner.close()  # its graphs hold references on the NCCL communicator: free them before it goes
     dist.destroy_process_group()
 

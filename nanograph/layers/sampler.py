@@ -1,31 +1,69 @@
-"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds, in one batched pass.
+"""Token sampling: greedy, temperature, top-k, top-p and per-request seeds, inside the decode graph.
 
 Sampling uses the "exponential race": for probabilities p and independent E_i ~ Exp(1),
-argmax_i p_i / E_i is distributed exactly as p. It needs no cumulative sums and no host sync,
-and it makes seeding simple: a seeded request draws its own row of noise from its own
-generator, so its tokens do not depend on what it is batched with. Rows without a seed share
-one draw from the global generator. Greedy rows (temperature 0) take the argmax of the logits.
-Since p_i = exp(l_i / T) / Z, the winner is also argmax_i (l_i / T - log E_i): no softmax, and
-on CUDA the whole race is one compiled kernel after the noise (each kernel costs a few
-microseconds at a 150k vocabulary, and the sampler runs outside the decode graph every step).
+argmax_i p_i / E_i is distributed exactly as p. Since p_i = exp(l_i / T) / Z, the winner is
+argmax_i (l_i / T - log E_i): no softmax, no cumulative sums, no host sync. Greedy rows
+(temperature 0) take the argmax of the logits.
 
-top-k / top-p need the logits sorted, which is the only expensive part at a 150k vocabulary, so
-it runs only when some request in the batch asks for it.
+The noise is not drawn from a random generator: it is computed, E = -log U with U from an
+integer hash of (the request's seed, the index of the token being sampled, the token id). So:
+- sampling is a pure function of tensors. It is captured in the decode graph with the rest of
+  the step (cuda_graph.py), the race and the hash are one compiled kernel, and the [rows,
+  vocab] noise never exists in memory;
+- a request's tokens depend on its seed and nothing else: not on its batch, not on whether its
+  prompt was cut into chunks, not on a recompute after preemption. Requests without a seed get
+  one at intake from the engine's own generator (llm.py), so `LLM(seed=...)` reproduces a run;
+- with tensor parallelism every rank samples the same tokens from the same all-gathered logits,
+  so the ranks never exchange them (tp.py).
+The hash is Chris Wellons' "lowbias32", a 32-bit integer mixer, applied to the (seed, index)
+pair and then per token id. Its top 24 bits make U = (bits + 0.5) / 2**24, strictly inside (0, 1),
+so every -log U is finite and positive.
+
+top-k / top-p need the logits sorted, the only expensive part at a 150k vocabulary, so they run
+outside the graph, only for a batch in which some request asks for them: the race is then run
+again on the logits they leave.
 """
-from dataclasses import dataclass
-
 import torch
+import torch.nn.functional as F
 
 from nanograph.utils.compile import cuda_compiled
 
+MASK32 = 0xFFFFFFFF
+VOCAB_CHUNK = 1024
 
-@dataclass
-class SamplingBatch:
-    temperatures: torch.Tensor          # [B] float, 0 = greedy
-    all_greedy: bool                    # known on the host: skips the sampling kernels entirely
-    top_ks: torch.Tensor | None         # [B] long, vocab size = off; None when no row uses it
-    top_ps: torch.Tensor | None         # [B] float, 1 = off; None when no row uses it
-    generators: list[torch.Generator | None]  # per row; None = global RNG
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32 on int64 tensors holding 32-bit values; both constants are < 2**31, so no product
+    overflows 64 bits."""
+    x = x ^ (x >> 16)
+    x = (x * 0x21F0AAAD) & MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x735A2D97) & MASK32
+    return x ^ (x >> 15)
+
+
+@cuda_compiled
+def race(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, lengths: torch.Tensor,
+         ) -> torch.Tensor:
+    """logits [B, V]; per row its temperature (0 = greedy), seed and length (the index of the token
+    being sampled) -> token ids [B]."""
+    key = mix32(mix32(seeds.long() & MASK32) ^ lengths.long())[:, None]  # one stream per (seed, index)
+    token = torch.arange(logits.shape[-1], device=logits.device)
+    bits = mix32((mix32(key ^ token) + key) & MASK32)  # adding the key again: rows whose keys differ
+    uniform = ((bits >> 8).float() + 0.5) / 2**24       # only in low bits do not share their noise
+    tempered = logits.float() / temperatures.clamp(min=1e-5)[:, None] - torch.log(-torch.log(uniform))
+    return chunked_argmax(torch.where((temperatures == 0)[:, None], logits.float(), tempered))
+
+
+def chunked_argmax(scores: torch.Tensor) -> torch.Tensor:
+    """argmax over the vocabulary in two stages: within chunks of VOCAB_CHUNK, all in parallel, then
+    over the chunks' maxima. One reduction per row would run on one thread block per row: at batch 1,
+    a 150k-long reduction on one of the GPU's 132 multiprocessors. Ties go to the first index."""
+    b, v = scores.shape
+    chunks = F.pad(scores, (0, -v % VOCAB_CHUNK), value=float("-inf")).view(b, -1, VOCAB_CHUNK)
+    best, index = chunks.max(dim=-1)                 # [B, chunks]
+    chunk = best.argmax(dim=-1, keepdim=True)        # the first chunk holding the row's maximum
+    return (chunk * VOCAB_CHUNK + index.gather(-1, chunk))[:, 0]
 
 
 def top_k_top_p_filter(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
@@ -39,22 +77,11 @@ def top_k_top_p_filter(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
-@cuda_compiled
-def race(logits: torch.Tensor, temperatures: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    scores = logits.float() / temperatures.clamp(min=1e-5)[:, None] - noise.log()
-    return torch.where(temperatures == 0, logits.argmax(dim=-1), scores.argmax(dim=-1))
-
-
-def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """logits [B, V] -> token ids [B]."""
-    if batch.all_greedy:
-        return logits.argmax(dim=-1)
-    if batch.top_ks is not None:  # what top-k / top-p of the tempered distribution leave out can't win
-        tempered = logits.float() / batch.temperatures.clamp(min=1e-5)[:, None]
-        out = top_k_top_p_filter(tempered, batch.top_ks, batch.top_ps).isinf()
-        logits = logits.float().masked_fill(out, float("-inf"))
-    noise = torch.empty(logits.shape, device=logits.device).exponential_()
-    for row, gen in enumerate(batch.generators):
-        if gen is not None:
-            noise[row].exponential_(generator=gen)
-    return race(logits, batch.temperatures, noise)
+def sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, lengths: torch.Tensor,
+           top_ks: torch.Tensor | None = None, top_ps: torch.Tensor | None = None) -> torch.Tensor:
+    """The race, after the top-k / top-p filter when they are given (top_k < 1 = off, top_p 1 = off)."""
+    if top_ks is not None:  # what top-k / top-p of the tempered distribution leave out can't win
+        tempered = logits.float() / temperatures.clamp(min=1e-5)[:, None]
+        top_ks = torch.where(top_ks > 0, top_ks, logits.shape[-1])
+        logits = logits.float().masked_fill(top_k_top_p_filter(tempered, top_ks, top_ps).isinf(), float("-inf"))
+    return race(logits, temperatures, seeds, lengths)
