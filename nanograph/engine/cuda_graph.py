@@ -135,9 +135,7 @@ class GraphStats:
     real_rows: int = 0                                  # rows of real sequences over all replays
 
     def as_dict(self) -> dict:
-        per_bucket = Counter()
-        for (bucket, _), n in self.replays.items():
-            per_bucket[bucket] += n
+        per_bucket = sum((Counter({bucket: n}) for (bucket, _), n in self.replays.items()), Counter())
         replayed, padded_rows = per_bucket.total(), sum(b * n for b, n in per_bucket.items()) - self.real_rows
         return {"decode_steps": replayed + self.eager_steps, "graph_replays": replayed,
                 "graph_hit_rate": replayed / max(1, replayed + self.eager_steps),

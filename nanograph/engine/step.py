@@ -40,11 +40,10 @@ class StepInput:
 
 def build_step(batch: Batch, block_size: int) -> StepInput:
     params = [seq.params for seq in batch.seqs]
+    top = any(p.top_k > 0 or p.top_p < 1 for p in params)  # top-k / top-p cost a sort: only when some row asks
     step = StepInput(batch.is_prefill, [], [], [], [], [], [0], [p.temperature for p in params],
-                     [seq.seed for seq in batch.seqs], lora_slots=batch.lora_slots, lora_rank=batch.lora_rank,
-                     lora_loads=batch.lora_loads)
-    if any(p.top_k > 0 or p.top_p < 1 for p in params):
-        step.top_ks, step.top_ps = [p.top_k for p in params], [p.top_p for p in params]
+                     [seq.seed for seq in batch.seqs], [p.top_k for p in params] if top else None,
+                     [p.top_p for p in params] if top else None, batch.lora_slots, batch.lora_rank, batch.lora_loads)
     width = max(len(seq.block_table) for seq in batch.seqs)
     for row, seq in enumerate(batch.seqs):
         start, end = batch.starts[row], batch.end(row)

@@ -70,7 +70,7 @@ def top_k_top_p_filter(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch
     """Set to -inf every logit outside the row's top-k, then outside its top-p nucleus."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     rank = torch.arange(logits.shape[-1], device=logits.device)
-    sorted_logits.masked_fill_(rank[None, :] >= top_ks[:, None], float("-inf"))
+    sorted_logits.masked_fill_((rank[None, :] >= top_ks[:, None]) & (top_ks[:, None] > 0), float("-inf"))  # k < 1: off
     probs = sorted_logits.softmax(dim=-1)
     # drop a token when the more likely ones already reach top_p (the first is always kept)
     sorted_logits.masked_fill_(probs.cumsum(dim=-1) - probs >= top_ps[:, None], float("-inf"))
@@ -82,6 +82,5 @@ def sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor
     """The race, after the top-k / top-p filter when they are given (top_k < 1 = off, top_p 1 = off)."""
     if top_ks is not None:  # what top-k / top-p of the tempered distribution leave out can't win
         tempered = logits.float() / temperatures.clamp(min=1e-5)[:, None]
-        top_ks = torch.where(top_ks > 0, top_ks, logits.shape[-1])
         logits = logits.float().masked_fill(top_k_top_p_filter(tempered, top_ks, top_ps).isinf(), float("-inf"))
     return race(logits, temperatures, seeds, lengths)
