@@ -70,11 +70,10 @@ class Config:
 
     def _resolve_dtype(self) -> torch.dtype:
         """auto: the checkpoint's half type (else bf16) on CUDA, float32 on the CPU."""
-        if self.dtype == "auto" and not self.device.startswith("cuda"):
-            return torch.float32
         if self.dtype == "auto":
             dtype = getattr(self.hf_config, "dtype", None) or getattr(self.hf_config, "torch_dtype", None)
-            return dtype if dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+            half = dtype if dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+            return half if self.device.startswith("cuda") else torch.float32
         dtype = getattr(torch, str(self.dtype).replace("torch.", ""), None)
         if not isinstance(dtype, torch.dtype):
             raise ValueError(f"dtype {self.dtype!r} is not a torch dtype")

@@ -173,11 +173,9 @@ class LLM:
                 bar.update(len(self.scheduler.update(step.batch, self.runner.collect(step))))
 
     def stats(self) -> dict:
-        stats = {"prefix_cache_hit_tokens": self.block_manager.cache_hit_tokens,
-                 "preemptions": self.scheduler.num_preemptions,
-                 "overlap_discarded_tokens": self.scheduler.num_discarded_tokens,
-                 "num_kvcache_blocks": self.runner.num_kv_blocks,
-                 "attention_backend": self.config.attention_backend}
-        if self.runner.graphs is not None:
-            stats.update(self.runner.graphs.stats_dict())
-        return stats
+        return {"prefix_cache_hit_tokens": self.block_manager.cache_hit_tokens,
+                "preemptions": self.scheduler.num_preemptions,
+                "overlap_discarded_tokens": self.scheduler.num_discarded_tokens,
+                "num_kvcache_blocks": self.runner.num_kv_blocks,
+                "attention_backend": self.config.attention_backend,
+                **(self.runner.graphs.stats_dict() if self.runner.graphs is not None else {})}

@@ -76,8 +76,8 @@ def test_tp2_with_prefix_caching_and_preemption(tiny_model):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_tp2_with_overlap_matches_tp1_without(tiny_model, device):
-    """The control message goes out while the previous step runs, and the workers resolve the
-    placeholders from the sampled ids rank 0 broadcasts: same tokens, EOS and seeds included."""
+    """The control message goes out while the previous step runs, and every rank resolves the
+    placeholders from the ids it sampled itself: same tokens, EOS, seeds and top-p included."""
     path = tiny_model("qwen3")
     prompts, params, eos = mixed_requests(path)
     outs = []

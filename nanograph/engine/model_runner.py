@@ -170,8 +170,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, batch: Batch) -> InFlight:
-        sampled = self.forward(build_step(batch, self.block_size))
-        tokens = sampled.to("cpu", non_blocking=True)  # from the GPU: into pinned memory, without waiting
+        # the sampled ids, from the GPU into pinned memory without waiting
+        tokens = self.forward(build_step(batch, self.block_size)).to("cpu", non_blocking=True)
         done = torch.cuda.current_stream().record_event() if self.device.type == "cuda" else None
         return InFlight(batch, tokens, done)
 
