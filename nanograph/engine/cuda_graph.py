@@ -49,7 +49,8 @@ bucket gets every rank bucket: the grid is the ladder times at most five, and it
 because the graphs share one pool and one logits output, so each graph adds only its own
 workspace. Measured on an H100 (Qwen3-0.6B shape, bench.py --lora): the 18 graphs of the
 default ladder took 0.7 s and 330 MiB, the 90 of the LoRA grid (max_lora_rank 64) 3.9 s and
-the same 330 MiB.
+the same 330 MiB. With the sampler inside, the 18 graphs take 510 MiB: the largest graph's
+float32 scores [512, vocab] live in the pool too.
 """
 import logging
 import time

@@ -14,9 +14,11 @@ one query per sequence.
   never synchronise with the host, so decode can be captured in a CUDA graph. For prefill, norm,
   rotary and the K/V store are one kernel (kernels/kv_store.py); decode does all of it inside
   its attention kernel (kernels/paged_decode.py), one dependent launch fewer per layer.
-- `flash_attn`: flash-attn's paged kernels, by name only (needs block size 256; no GPU run has
-  tested it yet, so `auto` never picks it);
-  the fused rotate-and-store kernel as with `triton`.
+- `flash_attn`: flash-attn's paged kernels (varlen prefill, `flash_attn_with_kvcache` decode)
+  after the fused rotate-and-store kernel of `triton`; needs block size 256. Tested on an H100
+  against `torch`, but by name only: `auto` takes `triton`, which measured faster at small-batch
+  decode (its kernel rotates, stores and attends inside the PDL chain) and as fast end to end
+  (README, "Attention backends").
 """
 import torch
 import torch.nn.functional as F
