@@ -160,6 +160,14 @@ def test_quick_bench_runs_end_to_end(tmp_path):
     assert "busy shares skipped" in proc.stdout
 
 
+def test_attention_backends_run_one_after_the_other(monkeypatch):
+    """--attention-backend a,b: every section once per backend, each engine built with its backend."""
+    built = []
+    monkeypatch.setattr(bench, "run_sections", lambda setup: built.append(setup.llm().config.attention_backend) or {})
+    report = bench.main(["--quick", "--device", "cpu", "--run", "--attention-backend", "torch,triton"])
+    assert list(report["shapes"]) == ["qwen3-0.6b (torch)", "qwen3-0.6b (triton)"] and built == ["torch", "triton"]
+
+
 def test_quick_decode_sweep_covers_several_shapes():
     report = bench.main(["--quick", "--device", "cpu", "--decode-sweep", "--sweep-iters", "1",
                          "--shape", "qwen3-0.6b,llama3.2-1b"])
