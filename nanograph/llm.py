@@ -146,8 +146,7 @@ class LLM:
         adapters = [self._adapter(i, request) for i, request in enumerate(loras)]
         seqs = [Sequence(next(self.seq_ids), ids, sp, self.config.kvcache_block_size, self.config.seed, adapter)
                 for ids, sp, adapter in zip(token_lists, params, adapters)]
-        for seq in seqs:
-            self.scheduler.add(seq)
+        self.scheduler.waiting.extend(seqs)
         try:
             with tqdm(total=len(seqs), desc="Generating", disable=not use_tqdm, dynamic_ncols=True) as bar:
                 self._run(bar, lookahead=1 if self.config.overlap_scheduling else 0)
@@ -164,7 +163,7 @@ class LLM:
     def _run(self, bar, lookahead: int) -> None:
         """The step loop: keep up to `lookahead` launched steps uncollected."""
         in_flight: deque[InFlight] = deque()
-        while self.scheduler.has_work() or in_flight:
+        while self.scheduler.waiting or self.scheduler.running or in_flight:
             batch = self.scheduler.schedule()
             if batch is not None:
                 in_flight.append(self.runner.launch(batch))

@@ -93,7 +93,7 @@ def test_scheduler_chunks_long_prompts_and_respects_limits():
     sched = Scheduler(bm, max_num_seqs=2, max_num_batched_tokens=50)
     long, a, b = seq(list(range(120))), seq(list(range(10)), 1), seq(list(range(10)), 2)
     for s in (long, a, b):
-        sched.add(s)
+        sched.waiting.append(s)
     chunks = []
     while True:
         batch = sched.schedule()
@@ -111,8 +111,8 @@ def test_scheduler_preempts_newest_and_requeues_it_first():
     bm = BlockManager(3, BS, enable_prefix_caching=False)
     sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=1000)
     old, new = seq(list(range(BS)), 0, max_tokens=50), seq(list(range(BS)), 1, max_tokens=50)
-    sched.add(old)
-    sched.add(new)
+    sched.waiting.append(old)
+    sched.waiting.append(new)
     sched.update(sched.schedule(), [5, 5])        # both now need a second block; only one is free
     batch = sched.schedule()
     assert not batch.is_prefill and [s.seq_id for s in batch.seqs] == [0]

@@ -89,8 +89,8 @@ def test_placeholders_are_filled_and_late_stops_dropped():
     sched = Scheduler(BlockManager(8, 16, True), max_num_seqs=4, max_num_batched_tokens=64, eos_ids=frozenset({9}))
     a = Sequence(0, [2, 3, 4], SamplingParams(max_tokens=5), 16)
     b = Sequence(1, [5, 6], SamplingParams(max_tokens=2), 16)
-    sched.add(a)
-    sched.add(b)
+    sched.waiting.append(a)
+    sched.waiting.append(b)
     prefill = sched.schedule()
     assert a.token_ids == [2, 3, 4, -1] and b.token_ids == [5, 6, -2]  # placeholders: -1 - row
     decode = sched.schedule()                                          # before the prefill is collected
@@ -104,7 +104,7 @@ def test_placeholders_are_filled_and_late_stops_dropped():
     assert sched.update(decode, [9, 6]) == [a, b]                      # a hit EOS, b max_tokens
     assert a.token_ids == [2, 3, 4, 7, 9] and b.completion_token_ids == [8, 6]
     assert sched.update(third, [1]) == [] and sched.num_discarded_tokens == 1
-    assert a.status == b.status == Status.FINISHED and not sched.has_work()
+    assert a.status == b.status == Status.FINISHED and not (sched.waiting or sched.running)
     assert sched.block_manager.num_free_blocks == 8
 
 

@@ -44,7 +44,7 @@ def time_decode_bookkeeping(steps: int = 200) -> None:
     scheduler = Scheduler(BlockManager(3000, 256, True), max_num_seqs=512, max_num_batched_tokens=16384)
     for seq in reference_sequences():
         seq.params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=4096)
-        scheduler.add(seq)
+        scheduler.waiting.append(seq)
     while (batch := scheduler.schedule()).is_prefill:  # run the prefills
         scheduler.update(batch, [1] * len(batch.seqs))
     scheduler.update(batch, [1] * len(batch.seqs))
@@ -93,7 +93,7 @@ def count_drains(num_blocks: int = 2511) -> None:
         return batch
     llm.scheduler.schedule = counted_schedule
     for seq in reference_sequences():
-        llm.scheduler.add(seq)
+        llm.scheduler.waiting.append(seq)
     llm._run(tqdm(disable=True), lookahead=1)
     assert llm.block_manager.num_free_blocks == num_blocks and not deque(llm.scheduler.running)
     print(f"reference workload, {num_blocks} KV blocks, overlap on: {counts['prefill']} prefill steps, "

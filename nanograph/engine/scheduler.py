@@ -78,12 +78,6 @@ class Scheduler:
         self.max_loras, self.lora_ranks = max_loras, lora_ranks
         self.slot_of: OrderedDict = OrderedDict()  # Adapter -> slot, least recently used first
 
-    def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
-
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
-
     def schedule(self) -> Batch | None:
         """The next step (None: nothing can run until an in-flight step is collected)."""
         seqs, counts, budget = [], [], self.max_num_batched_tokens

@@ -34,9 +34,8 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_hashed_blocks = 0   # leading blocks already registered in the prefix cache
         # its sampling noise (layers/sampler.py): its own seed, else one made of the engine's seed and its
-        # id, so that runs repeat; 31 bits: an int32 on the device
-        seed = xxhash.xxh32_intdigest(b"%d" % seq_id, engine_seed) if params.seed is None else params.seed
-        self.seed = seed & 0x7FFFFFFF
+        # id, so that runs repeat
+        self.seed = params.seed if params.seed is not None else xxhash.xxh32_intdigest(b"%d" % seq_id, engine_seed)
         self.adapter = adapter       # its LoRA adapter, None = the base model
         # the prefix cache's hash chain starts here: the same tokens under another adapter have other K/V
         self.cache_salt = 0 if adapter is None else xxhash.xxh64_intdigest(repr(adapter.request).encode())

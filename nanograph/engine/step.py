@@ -30,7 +30,7 @@ class StepInput:
     block_tables: list[list[int]]   # one row per sequence, all as wide as the widest, -1 past its blocks
     cu_seqlens_q: list[int]     # per sequence offsets into input_ids (len = sequences + 1)
     temperatures: list[float]   # per sequence, 0 = greedy
-    seeds: list[int]            # per sequence: its noise stream (layers/sampler.py)
+    seeds: list[int]            # per sequence: its noise stream (layers/sampler.py), 31 bits: int32 buffers
     top_ks: list[int] | None = None          # per sequence, -1 = off; None: no row uses top-k / top-p
     top_ps: list[float] | None = None
     lora_slots: list[int] | None = None   # per sequence: its adapter's slot, -1 (or None for all) = none
@@ -42,7 +42,7 @@ def build_step(batch: Batch, block_size: int) -> StepInput:
     params = [seq.params for seq in batch.seqs]
     top = any(p.top_k > 0 or p.top_p < 1 for p in params)  # top-k / top-p cost a sort: only when some row asks
     step = StepInput(batch.is_prefill, [], [], [], [], [], [0], [p.temperature for p in params],
-                     [seq.seed for seq in batch.seqs], [p.top_k for p in params] if top else None,
+                     [seq.seed & 0x7FFFFFFF for seq in batch.seqs], [p.top_k for p in params] if top else None,
                      [p.top_p for p in params] if top else None, batch.lora_slots, batch.lora_rank, batch.lora_loads)
     width = max(len(seq.block_table) for seq in batch.seqs)
     for row, seq in enumerate(batch.seqs):
