@@ -7,12 +7,12 @@ argmax_i (l_i / T - log E_i): no softmax, no cumulative sums, no host sync. Gree
 
 The noise is not drawn from a random generator: it is computed, E = -log U with U from an
 integer hash of (the request's seed, the index of the token being sampled, the token id). So:
-- sampling is a pure function of tensors. It is captured in the decode graph with the rest of
-  the step (cuda_graph.py), the race and the hash are one compiled kernel, and the [rows,
-  vocab] noise never exists in memory;
+- sampling is a pure function of tensors, with no generator state to advance. It is captured
+  in the decode graph with the rest of the step (cuda_graph.py), hash and race compiled
+  together by torch.compile;
 - a request's tokens depend on its seed and nothing else: not on its batch, not on whether its
   prompt was cut into chunks, not on a recompute after preemption. Requests without a seed get
-  one at intake from the engine's own generator (llm.py), so `LLM(seed=...)` reproduces a run;
+  one made of `LLM(seed=...)` and their id (engine/sequence.py), so a run repeats;
 - with tensor parallelism every rank samples the same tokens from the same all-gathered logits,
   so the ranks never exchange them (tp.py).
 The hash is Chris Wellons' "lowbias32", a 32-bit integer mixer, applied to the (seed, index)
