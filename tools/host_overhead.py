@@ -3,8 +3,8 @@ overlap scheduling has to wait for the step in flight.
 
     PYTHONPATH=. python tools/host_overhead.py
 
-Part 1 times one decode step's host work (schedule, build the step, fill the graph buffers,
-build the sampling batch, account for the sampled tokens) for 256 sequences of the reference
+Part 1 times one decode step's host work (schedule, build the step with its sampling lists, fill
+the graph buffers, account for the sampled tokens) for 256 sequences of the reference
 workload's prompt lengths, block size 256, as in bench.py. With overlap scheduling this work
 runs while the GPU computes the previous step, so it only costs time where it is longer than
 the step itself.

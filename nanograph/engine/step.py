@@ -2,8 +2,9 @@
 
 `StepInput` is what a scheduled `Batch` (scheduler.py) becomes before it meets the device:
 plain lists of the tokens to compute, their positions and cache slots, each sequence's context
-length and block table. Plain data on purpose: the single-GPU runner, the graph buffers, the
-tensor-parallel control message (tp.py), bench and the tests all read the same thing.
+length and block table, and how it samples (temperature, seed, top-k / top-p). Plain data on
+purpose: the single-GPU runner, the graph buffers, the tensor-parallel control message (tp.py),
+bench and the tests all read the same thing.
 
 Token ids may be placeholders. With overlap scheduling a decode step is built before the host
 has the previous step's tokens, so a sequence's input token can be `-1 - r`: "whatever the

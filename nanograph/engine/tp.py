@@ -15,7 +15,7 @@ lists back to back: two gloo broadcasts, no pickle; only the rare LoRA adapter l
 small pickled list) over a second, gloo-only process group: the control group. The workers
 run the same `forward` on their shard, sampler included: the next step's placeholder tokens
 (step.py) are resolved on every rank from its own token table, and since the sampler's noise
-is a hash of each request's seed and position (layers/sampler.py), every rank draws the same
+is a hash of each request's seed and token index (layers/sampler.py), every rank draws the same
 ids from the same all-gathered logits: nothing is exchanged. So the message carries each
 row's temperature, seed, top-k and top-p too (floats as their bits). With overlap scheduling
 rank 0 sends step N+1 while the GPUs still run
