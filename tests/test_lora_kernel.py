@@ -56,9 +56,14 @@ def make_inputs(gen, num_rows, k, part_sizes, max_rank, rank, dtype, poison_past
     return x, y, lora_a.to(dtype), lora_b.to(dtype), slots
 
 
+def lora_bgmv(x, y, lora_a, lora_b, slots, starts, rank):
+    """The cuBLAS path's delta: shrink, then expand into y."""
+    from nanograph.kernels.lora import lora_expand, lora_shrink
+    lora_expand(y, lora_shrink(x, lora_a, slots, rank), lora_b, slots, starts)
+
+
 def check_lora_bgmv(device, dtype, num_rows, k, part_sizes, max_rank, rank, seed=0, poison_past_rank=False):
     pytest.importorskip("triton")
-    from nanograph.kernels.lora import lora_bgmv
 
     gen = torch.Generator().manual_seed(seed + num_rows * 1000 + k)
     x, y, lora_a, lora_b, slots = make_inputs(gen, num_rows, k, part_sizes, max_rank, rank, dtype, poison_past_rank)
@@ -81,7 +86,53 @@ def assert_close_delta(out, ref, y, slots, dtype):
     assert err < (1e-5 if dtype == torch.float32 else 1e-2), err
 
 
+def check_gemv_lora(device, dtype, num_rows, k, part_sizes, deferred, rank=8, max_rank=16):
+    """The GEMV path: shrink then the GEMV that adds the delta itself, both computing the deferred
+    input (None, or "norm": rms_norm(x + residual)), against F.linear plus the oracle's delta on
+    that input. Slot -1 rows
+    must get exactly the GEMV's product without LoRA."""
+    pytest.importorskip("triton")
+    from nanograph.kernels.gemv import gemv
+    from nanograph.kernels.lora import lora_shrink
+    from nanograph.layers.norm import rms_norm
+
+    gen = torch.Generator().manual_seed(num_rows * 100 + k)
+    x, _, lora_a, lora_b, slots = make_inputs(gen, num_rows, k, part_sizes, max_rank, rank, dtype)
+    n, starts = sum(part_sizes), starts_of(part_sizes)
+    w = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype)
+    norm = deferred == "norm"
+    residual = torch.randn(num_rows, k, generator=gen).to(dtype) if norm else None
+    norm_w = (1 + 0.1 * torch.randn(k, generator=gen)).to(dtype) if norm else None
+    x_in = rms_norm(x + residual, norm_w, 1e-6) if norm else x
+    product = torch.nn.functional.linear(x_in.float(), w.float())
+    ref = reference(x_in.float(), product, lora_a.float(), lora_b.float(), slots, starts, rank)
+
+    to = lambda t: None if t is None else t.to(device)
+    r_out = None if residual is None else torch.empty(num_rows, k, dtype=dtype, device=device)
+    args = (to(x), to(w), None, False, to(norm_w), 1e-6, to(residual), r_out)
+    h = lora_shrink(to(x), to(lora_a), to(slots), rank, to(norm_w), 1e-6, to(residual))
+    out = gemv(*args, lora=(h, to(lora_b), to(slots), starts)).cpu()
+    base = gemv(*args).cpu()
+    none = slots < 0
+    assert torch.equal(out[none], base[none])
+    assert (ref - product)[~none].abs().max() > 0.1  # the adapters change the output
+    err = ((out.float() - ref).norm() / ref.norm()).item()
+    assert err < (1e-5 if dtype == torch.float32 else 1e-2), err
+
+
 # ---------------------------------------------------------------- GPU tests
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("num_rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("k,part_sizes,deferred", [(1024, (2048, 1024, 1024), "norm"), (1024, (3072, 3072), "norm"),
+                                                  (2048, (1024,), None), (3072, (1024,), None)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gemv_lora(num_rows, k, part_sizes, deferred, dtype):
+    """The Qwen3-0.6B shapes (QKV and gate/up with the deferred norm, o, down), max_lora_rank 64, rank 16."""
+    check_gemv_lora("cuda", dtype, num_rows, k, part_sizes, deferred, 16, 64)
+
 
 
 @pytest.mark.gpu
@@ -106,7 +157,6 @@ def test_lora_bgmv_cuda_graph_replay():
     """Capture once, replay with new slots and inputs (same shapes): nothing about one step may be
     baked into the graph."""
     pytest.importorskip("triton")
-    from nanograph.kernels.lora import lora_bgmv
 
     gen = torch.Generator().manual_seed(7)
     num_rows, k, part_sizes, starts = 16, 1024, (2048, 1024, 1024), starts_of((2048, 1024, 1024))
@@ -144,6 +194,14 @@ def test_lora_bgmv_cuda_graph_replay():
 @pytest.mark.parametrize("k,part_sizes", [(96, (40,)), (32, (48, 24)), (72, (40, 17, 23))])
 def test_lora_bgmv_interpreter(dtype, num_rows, k, part_sizes):
     check_lora_bgmv("cpu", dtype, num_rows, k, part_sizes, 16, 8)
+
+
+@requires_interpreter
+@pytest.mark.parametrize("num_rows", [1, 3])
+@pytest.mark.parametrize("k,part_sizes,deferred", [(24, (40, 17, 23), "norm"), (32, (24, 24), None),
+                                                  (40, (24,), None)])
+def test_gemv_lora_interpreter(num_rows, k, part_sizes, deferred):
+    check_gemv_lora("cpu", torch.float32, num_rows, k, part_sizes, deferred)
 
 
 @requires_interpreter

@@ -47,10 +47,9 @@ graph of its batch bucket and of the smallest rank bucket that holds its largest
 and a step without adapters the rank-0 graph, which has no LoRA kernels at all. Every batch
 bucket gets every rank bucket: the grid is the ladder times at most five, and it stays cheap
 because the graphs share one pool and one logits output, so each graph adds only its own
-workspace. Measured on an H100 (Qwen3-0.6B shape, bench.py --lora): the 18 graphs of the
-default ladder took 0.7 s and 330 MiB, the 90 of the LoRA grid (max_lora_rank 64) 3.9 s and
-the same 330 MiB. With the sampler inside, the 18 graphs take 510 MiB: the largest graph's
-float32 scores [512, vocab] live in the pool too.
+workspace. Measured on an H100 (Qwen3-0.6B shape, bench.py --lora, sampler inside the graphs):
+the 18 graphs of the default ladder took 0.8 s, the 90 of the LoRA grid (max_lora_rank 64)
+5.1 s, both 478 MiB; most of it is likely the largest graph's float32 scores [512, vocab].
 """
 import logging
 import time

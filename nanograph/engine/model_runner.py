@@ -138,8 +138,6 @@ class ModelRunner:
         if step.lora_rank:  # each token takes its sequence's slot
             slots = [slot for slot, a, b in zip(step.lora_slots, cu, cu[1:]) for _ in range(a, b)]
             md.lora_rank, md.lora_slots = step.lora_rank, self.upload(slots, torch.int32)
-            md.lora_rows = [(s, self.upload([i for i, t in enumerate(slots) if t == s], torch.int64))
-                            for s in set(slots) - {-1}]
         return md
 
     @torch.inference_mode()

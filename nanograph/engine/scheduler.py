@@ -73,8 +73,7 @@ class Scheduler:
         self.eos_ids, self.max_model_len = eos_ids, max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
-        self.num_preemptions = 0
-        self.num_discarded_tokens = 0
+        self.num_preemptions = self.num_discarded_tokens = 0
         self.max_loras, self.lora_ranks = max_loras, lora_ranks
         self.slot_of: OrderedDict = OrderedDict()  # Adapter -> slot, least recently used first
 

@@ -16,14 +16,21 @@ power of two >= M, is a constexpr) so their loads issue together.
 Each output row is computed by the same program in the same order whatever the batch size:
 the result for a token does not depend on how many rows the graph bucket was padded to.
 
-Two fusions save a dependent kernel each (each kernel in the chain costs about a microsecond
-of latency even when its weights are already in flight):
+Three fusions save dependent kernels (each kernel in the chain costs about a microsecond of
+latency even when its weights are already in flight):
 - `norm`: the input is `rms_norm(x + residual)` (layers/norm.py's DeferredNorm). Each program
   has the whole input row anyway (BLOCK_K >= K), so it adds, normalises and scales it itself;
   program 0 also writes x + residual, the residual stream for later layers.
 - `silu_and_mul`: for the MLP's fused [gate | up] weight, a program loads gate rows r and up
   rows N + r together and writes silu(gate) * up directly.
-Both round like the torch path (layers/norm.py, models/decoder.py) at every step.
+- `lora`: in a step with LoRA adapters each row adds its adapter's delta B h to its outputs.
+  h = x A^T, a few numbers per row, comes from kernels/lora.py's shrink kernel, which applies the
+  same deferred norm to its input; the B rows of each row's adapter are loaded before the wait,
+  like the weights. So a LoRA layer adds one kernel (the shrink), not four. Not together with
+  `silu_and_mul`: at 2-4 rows the two took so many registers that the [gate | up] GEMV ran at
+  2-3 programs per SM and cost twice as much (Qwen3-0.6B, H100); a LoRA step's MLP runs the
+  activation as a kernel of its own.
+All round like the torch path (layers/norm.py, models/decoder.py) at every step.
 """
 import torch
 import triton
@@ -35,10 +42,39 @@ TARGET_TILE, NUM_WARPS = 8192, 4  # weight elements per program (BLOCK_N * padde
 
 
 @triton.jit
+def rms_normed(x, norm_w, eps, K):
+    """A whole row x (in x's dtype) normalised and scaled by norm_w, rounded like layers/norm.py."""
+    f = x.to(tl.float32)
+    return norm_w * (f * tl.rsqrt(tl.sum(f * f, 0) / K + eps)).to(x.dtype)
+
+
+@triton.jit
+def lora_b_tile(b_ptr, slot, w_rows, num_w_rows, stride_bs, stride_bn, RANK: tl.constexpr, RANK_PAD: tl.constexpr):
+    """Rows w_rows of the B of adapter slot `slot`, its first RANK columns: [len(w_rows), RANK_PAD],
+    all zeros for slot -1 (nothing is read)."""
+    ranks = tl.arange(0, RANK_PAD)
+    mask = (w_rows[:, None] < num_w_rows) & (ranks[None, :] < RANK * (slot >= 0))
+    return tl.load(b_ptr + slot * stride_bs + w_rows[:, None] * stride_bn + ranks[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def lora_h_tile(h_ptr, slot, w_rows, PART_STARTS: tl.constexpr, RANK: tl.constexpr, RANK_PAD: tl.constexpr):
+    """One row's shrunk input h [parts, RANK] (at h_ptr, float32) as a [len(w_rows), RANK_PAD] tile
+    that matches lora_b_tile's: each weight row gets the h of the part it belongs to (parts start at
+    PART_STARTS). Zeros for slot -1 (nothing is read)."""
+    part = tl.zeros_like(w_rows)
+    for i in tl.static_range(1, len(PART_STARTS)):
+        part += (w_rows >= PART_STARTS[i]).to(w_rows.dtype)
+    ranks = tl.arange(0, RANK_PAD)
+    return tl.load(h_ptr + part[:, None] * RANK + ranks[None, :], mask=ranks[None, :] < RANK * (slot >= 0), other=0.0)
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, residual_ptr, norm_w_ptr, residual_out_ptr, eps,
-    M, N, K, stride_xm, stride_wn, stride_om, stride_rm, stride_rom,
+    h_ptr, b_ptr, slots_ptr, M, N, K, stride_xm, stride_wn, stride_om, stride_rm, stride_rom, stride_bs, stride_bn,
     HAS_BIAS: tl.constexpr, SILU_AND_MUL: tl.constexpr, NORM: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
+    PART_STARTS: tl.constexpr, LORA_RANK: tl.constexpr, RANK_PAD: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -47,58 +83,63 @@ def _gemv_kernel(
     w = tl.load(w_ptr + rows[:, None] * stride_wn + cols[None, :], mask=mask, other=0.0)
     if SILU_AND_MUL:
         w_up = tl.load(w_ptr + (rows[:, None] + N) * stride_wn + cols[None, :], mask=mask, other=0.0)
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
-        if SILU_AND_MUL:
-            bias_up = tl.load(bias_ptr + N + rows, mask=rows < N, other=0.0).to(tl.float32)
-    if NORM:
-        norm_w = tl.load(norm_w_ptr + cols, mask=cols < K, other=0.0)
+        bias_up = tl.load(bias_ptr + N + rows, mask=rows < N * HAS_BIAS, other=0.0).to(tl.float32)
+    # (nothing is read without HAS_BIAS, NORM)
+    bias = tl.load(bias_ptr + rows, mask=rows < N * HAS_BIAS, other=0.0).to(tl.float32)
+    norm_w = tl.load(norm_w_ptr + cols, mask=cols < K * NORM, other=0.0)
+    slots, b = (), ()
+    for m in tl.static_range(ROWS if LORA_RANK > 0 else 0):  # each row's adapter's B rows, also before the wait
+        slots += (tl.load(slots_ptr + m, mask=M > m, other=-1),)
+        b += (lora_b_tile(b_ptr, slots[m], rows, N, stride_bs, stride_bn, LORA_RANK, RANK_PAD),)
     wait_for_previous_kernel(PDL)
 
     dtype = out_ptr.dtype.element_ty
-    for m in tl.static_range(ROWS):
-        real = M > m  # rows M..ROWS-1 are padding: their masks below are all false
-        in_row = cols < K * real
+    for m in tl.static_range(ROWS):  # unrolled: every row's loads issue together
+        in_row = cols < K * (M > m)  # rows M..ROWS-1 are padding: their masks are all false
         x = tl.load(x_ptr + m * stride_xm + cols, mask=in_row, other=0.0)
-        if ADD_RESIDUAL:
+        if LORA_RANK > 0:  # the row's h [parts, LORA_RANK] (the shrink kernel's), loaded before any reduction waits
+            h = lora_h_tile(h_ptr + m * len(PART_STARTS) * LORA_RANK, slots[m], rows, PART_STARTS, LORA_RANK, RANK_PAD)
+        if ADD_RESIDUAL:  # program 0 also writes x + residual, the residual stream of later layers
             x += tl.load(residual_ptr + m * stride_rm + cols, mask=in_row, other=0.0)
-            if tl.program_id(0) == 0:
-                tl.store(residual_out_ptr + m * stride_rom + cols, x, mask=in_row)
+            tl.store(residual_out_ptr + m * stride_rom + cols, x, mask=cols < K * (M > m) * (tl.program_id(0) == 0))
         if NORM:
-            h = x.to(tl.float32)
-            x = norm_w * (h * tl.rsqrt(tl.sum(h * h, 0) / K + eps)).to(x.dtype)
+            x = rms_normed(x, norm_w, eps, K)
         x = x.to(tl.float32)[None, :]
-        y = tl.sum(w.to(tl.float32) * x, 1)
-        if HAS_BIAS:
-            y += bias
+        y = tl.sum(w.to(tl.float32) * x, 1) + bias
+        if LORA_RANK > 0:
+            y += tl.sum(b[m].to(tl.float32) * h, 1)
         if SILU_AND_MUL:
-            up = tl.sum(w_up.to(tl.float32) * x, 1)
-            if HAS_BIAS:
-                up += bias_up
+            up = tl.sum(w_up.to(tl.float32) * x, 1) + bias_up
             gate = y.to(dtype).to(tl.float32)
             y = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up.to(dtype).to(tl.float32)
-        tl.store(out_ptr + m * stride_om + rows, y.to(dtype), mask=rows < N * real)
+        tl.store(out_ptr + m * stride_om + rows, y.to(dtype), mask=rows < N * (M > m))
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, silu_and_mul: bool = False,
          norm_weight: torch.Tensor | None = None, eps: float = 0.0, residual: torch.Tensor | None = None,
-         residual_out: torch.Tensor | None = None) -> torch.Tensor:
+         residual_out: torch.Tensor | None = None, lora: tuple | None = None) -> torch.Tensor:
     """x: [M, K], M small (layers/linear.py decides); weight: [N, K] (or [2N, K] = [gate | up]
     with silu_and_mul); bias: [N] / [2N] or None. Returns [M, N]: x W^T + bias, or silu(gate) * up.
     With norm_weight the input is rms_norm(x (+ residual)) instead of x, and x + residual is
-    written to residual_out."""
+    written to residual_out. With lora = (h, lora_b, token_slots, part_starts) (and no silu_and_mul)
+    each row also adds its adapter's delta B h: h [M, parts, rank] from kernels/lora.py's
+    lora_shrink, lora_b [slots, weight rows, R >= rank], token_slots [M] (-1: none), part_starts
+    where each part's weight rows start."""
     num_rows, k = x.shape
     n = weight.shape[0] // (2 if silu_and_mul else 1)
-    assert x.stride(-1) == 1 and weight.stride(-1) == 1 and weight.shape[1] == k
+    assert x.stride(-1) == 1 and weight.stride(-1) == 1 and weight.shape[1] == k and not (lora and silu_and_mul)
     out = torch.empty(num_rows, n, dtype=x.dtype, device=x.device)
     block_k = triton.next_power_of_2(k)
     block_n = max(1, min(TARGET_TILE // block_k // (2 if silu_and_mul else 1), triton.next_power_of_2(n)))
     r, r_out = (residual, residual_out) if residual is not None else (x, out)
+    h, lora_b, slots, part_starts = lora or (out, weight, out, (0,))
+    rank = h.shape[2] if lora else 0
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, weight if bias is None else bias, out, r, weight if norm_weight is None else norm_weight,
-        r_out, eps, num_rows, n, k, x.stride(0), weight.stride(0), out.stride(0), r.stride(0), r_out.stride(0),
-        HAS_BIAS=bias is not None, SILU_AND_MUL=silu_and_mul, NORM=norm_weight is not None,
-        ADD_RESIDUAL=residual is not None, ROWS=triton.next_power_of_2(num_rows), BLOCK_N=block_n,
-        BLOCK_K=block_k, num_warps=NUM_WARPS, **launch_options(x.device),
+        r_out, eps, h, lora_b, slots, num_rows, n, k, x.stride(0), weight.stride(0), out.stride(0), r.stride(0),
+        r_out.stride(0), lora_b.stride(0), lora_b.stride(1), HAS_BIAS=bias is not None, SILU_AND_MUL=silu_and_mul,
+        NORM=norm_weight is not None, ADD_RESIDUAL=residual is not None, PART_STARTS=tuple(part_starts),
+        LORA_RANK=rank, RANK_PAD=triton.next_power_of_2(max(rank, 1)), ROWS=triton.next_power_of_2(num_rows),
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=NUM_WARPS, **launch_options(x.device),
     )
     return out

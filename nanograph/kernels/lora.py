@@ -13,18 +13,20 @@ row instead of the 2 K N of a materialised delta weight. The r numbers h[t, p, :
 thing both halves share, so they go through a small fp32 scratch [T, P, rank]: "shrink" (grid
 rows x parts x rank blocks) computes them, "expand" (grid rows x output tiles) reads the h of the
 part that owns each output feature (a fused layer's outputs are its parts stacked: q|k|v,
-gate|up) and adds the delta to y in fp32, rounding once. The rank is not a tensor dimension of
+gate|up) and adds the delta to y in fp32, rounding once. Where the product itself is the
+GEMV of gemv.py (a few rows), the GEMV does the expand as it computes y (one kernel fewer), and
+the shrink applies the GEMV's deferred RMSNorm to its input the same way (one helper, same
+rounding), so the norm still never exists as a tensor. The rank is not a tensor dimension of
 the launch but a constexpr: one compile per rank bucket (8, 16, 32, 64), and each bucket reads
 only the first `rank` columns of the R-padded weights, so a step of rank-8 adapters does not pay
 for `max_lora_rank` = 64. Columns between an adapter's own rank and the bucket are zeros, add 0.
 
 Rows without an adapter (slot -1: base-model requests, and the padding rows of a graph bucket)
-read nothing but their slot and return (their h stays unwritten), so y keeps its bits there.
+read no adapter weights (their masks are empty): their h is 0 and y gets 0 added, keeping its value.
 Nothing on the host depends on the slots: the grid comes from static shapes (T, N, K, rank),
 which makes both kernels capturable in a CUDA graph and replayable with new slots. Both join the
 PDL chain (pdl.py): the slot and the adapter weights are loaded before the wait; x,
-h and y after it. Each program waits even when it returns early, so the chain's ordering holds
-for the kernels after it.
+h and y after it.
 
 Like gemv.py, a program holds whole rows (A's [BLOCK_R, K], B's [BLOCK_N, rank]) in registers,
 and a row's result does not depend on how many rows the step has.
@@ -33,14 +35,16 @@ import torch
 import triton
 import triton.language as tl
 
+from nanograph.kernels.gemv import lora_b_tile, lora_h_tile, rms_normed
 from nanograph.kernels.pdl import launch_options, wait_for_previous_kernel
 
 SHRINK_TILE, EXPAND_TILE, NUM_WARPS = 8192, 4096, 4  # weight elements per program (A, B), its warps
 
 
 @triton.jit
-def _shrink_kernel(x_ptr, a_ptr, h_ptr, slots_ptr, K, stride_xt, stride_as, stride_ap, stride_ar,
-                   RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+def _shrink_kernel(x_ptr, residual_ptr, norm_w_ptr, eps, a_ptr, h_ptr, slots_ptr, K, stride_xt, stride_rt, stride_as,
+                   stride_ap, stride_ar, NORM: tl.constexpr, ADD_RESIDUAL: tl.constexpr, RANK: tl.constexpr,
+                   BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """h[t, p, r] = A[slot, p, r, :] . x[t] for BLOCK_R ranks r of row t, part p."""
     t, p = tl.program_id(0), tl.program_id(1)
     ranks = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -49,11 +53,14 @@ def _shrink_kernel(x_ptr, a_ptr, h_ptr, slots_ptr, K, stride_xt, stride_as, stri
     mask = (ranks[:, None] < RANK * (slot >= 0)) & (cols[None, :] < K)  # no ranks at all without an adapter
     a = tl.load(a_ptr + slot * stride_as + p * stride_ap + ranks[:, None] * stride_ar + cols[None, :], mask=mask,
                 other=0.0)
+    norm_w = tl.load(norm_w_ptr + cols, mask=cols < K * NORM, other=0.0)
     wait_for_previous_kernel(PDL)
-    if slot < 0:
-        return
-    x = tl.load(x_ptr + t * stride_xt + cols, mask=cols < K, other=0.0).to(tl.float32)
-    h = tl.sum(a.to(tl.float32) * x[None, :], 1)
+    x = tl.load(x_ptr + t * stride_xt + cols, mask=cols < K, other=0.0)
+    if ADD_RESIDUAL:
+        x += tl.load(residual_ptr + t * stride_rt + cols, mask=cols < K, other=0.0)
+    if NORM:
+        x = rms_normed(x, norm_w, eps, K)
+    h = tl.sum(a.to(tl.float32) * x.to(tl.float32)[None, :], 1)
     tl.store(h_ptr + (t * tl.num_programs(1) + p) * RANK + ranks, h, mask=ranks < RANK)
 
 
@@ -64,43 +71,46 @@ def _expand_kernel(h_ptr, b_ptr, slots_ptr, y_ptr, N, stride_bs, stride_bn, stri
     """y[t, o] += B[slot, o, :RANK] . h[t, part(o)] for BLOCK_N outputs o of row t."""
     t = tl.program_id(0)
     outs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    ranks = tl.arange(0, RANK_PAD)
     slot = tl.load(slots_ptr + t).to(tl.int64)
-    mask = (outs[:, None] < N) & (ranks[None, :] < RANK * (slot >= 0))  # no ranks at all without an adapter
-    b = tl.load(b_ptr + slot * stride_bs + outs[:, None] * stride_bn + ranks[None, :], mask=mask, other=0.0)
-    part = tl.zeros([BLOCK_N], tl.int32)
-    for i in tl.static_range(1, len(PART_STARTS)):
-        part += (outs >= PART_STARTS[i]).to(tl.int32)
+    b = lora_b_tile(b_ptr, slot, outs, N, stride_bs, stride_bn, RANK, RANK_PAD)
     wait_for_previous_kernel(PDL)
-    if slot < 0:
-        return
-    h = tl.load(h_ptr + (t * len(PART_STARTS) + part[:, None]) * RANK + ranks[None, :], mask=mask, other=0.0)
-    delta = tl.sum(b.to(tl.float32) * h, 1)
+    delta = tl.sum(b.to(tl.float32) * lora_h_tile(h_ptr + t * len(PART_STARTS) * RANK, slot, outs, PART_STARTS,
+                                                  RANK, RANK_PAD), 1)
     y = tl.load(y_ptr + t * stride_yt + outs, mask=outs < N)
     tl.store(y_ptr + t * stride_yt + outs, (y.to(tl.float32) + delta).to(y.dtype), mask=outs < N)
 
 
-def lora_bgmv(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-              token_slots: torch.Tensor, part_starts: tuple[int, ...], rank: int) -> None:
-    """In place: y[t] += lora_b[s, :, :rank] (lora_a[s, part, :rank] x[t]) per part, for every
-    row t with s = token_slots[t] >= 0 (rows with -1 are left untouched).
-    x: [T, K]; y: [T, N], same dtype; lora_a: [S, P, R, K]; lora_b: [S, N, R] (scaling folded in);
-    token_slots: [T] int32; part_starts: P ints, where each part's outputs start (the first is 0);
-    1 <= rank <= R: only the first `rank` rank columns are read (one compile per value; a step without
-    adapters should not call this at all)."""
+def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor, rank: int,
+                norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+    """h [T, P, rank] float32, h[t, p] = lora_a[s, p, :rank] x[t] with s = token_slots[t] (rows with
+    slot -1 are left unwritten). x: [T, K]; lora_a: [S, P, R, K]; token_slots: [T] int32; 1 <= rank
+    <= R: only the first `rank` rank columns are read (one compile per value). With norm_weight the
+    input is rms_norm(x (+ residual)), as in gemv()."""
     num_rows, k = x.shape
-    n, num_parts = y.shape[1], len(part_starts)
-    assert x.stride(-1) == y.stride(-1) == lora_a.stride(-1) == lora_b.stride(-1) == 1 and y.dtype == x.dtype
-    assert lora_a.shape[1:] == (num_parts, lora_b.shape[2], k) and lora_b.shape[1] == n and part_starts[0] == 0
-    assert 1 <= rank <= lora_b.shape[2] and token_slots.shape == (num_rows,)
-    h = torch.empty(num_rows, num_parts, rank, dtype=torch.float32, device=x.device)
-    block_k, rank_pad = triton.next_power_of_2(k), triton.next_power_of_2(rank)
-    block_r = max(1, min(rank_pad, SHRINK_TILE // block_k))
-    _shrink_kernel[(num_rows, num_parts, triton.cdiv(rank, block_r))](
-        x, lora_a, h, token_slots, k, x.stride(0), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
-        RANK=rank, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=NUM_WARPS, **launch_options(x.device))
+    assert x.stride(-1) == lora_a.stride(-1) == 1 and lora_a.shape[3] == k and 1 <= rank <= lora_a.shape[2]
+    h = torch.empty(num_rows, lora_a.shape[1], rank, dtype=torch.float32, device=x.device)
+    block_k = triton.next_power_of_2(k)
+    block_r = max(1, min(triton.next_power_of_2(rank), SHRINK_TILE // block_k))
+    r = x if residual is None else residual
+    _shrink_kernel[(num_rows, lora_a.shape[1], triton.cdiv(rank, block_r))](
+        x, r, x if norm_weight is None else norm_weight, eps, lora_a, h, token_slots, k, x.stride(0), r.stride(0),
+        lora_a.stride(0), lora_a.stride(1), lora_a.stride(2), NORM=norm_weight is not None,
+        ADD_RESIDUAL=residual is not None, RANK=rank, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=NUM_WARPS,
+        **launch_options(x.device))
+    return h
+
+
+def lora_expand(y: torch.Tensor, h: torch.Tensor, lora_b: torch.Tensor, token_slots: torch.Tensor,
+                part_starts: tuple[int, ...]) -> None:
+    """In place: y[t, o] += lora_b[s, o, :rank] h[t, part(o)] for every row t with s = token_slots[t]
+    >= 0 (rows with -1 are left untouched). y: [T, N]; h: [T, P, rank] (lora_shrink's); lora_b:
+    [S, N, R] (scaling folded in); part_starts: P ints, where each part's outputs start (the first is 0)."""
+    (num_rows, n), rank = y.shape, h.shape[2]
+    assert y.stride(-1) == lora_b.stride(-1) == 1 and h.shape[:2] == (num_rows, len(part_starts)) and part_starts[0] == 0
+    rank_pad = triton.next_power_of_2(rank)
     block_n = max(1, min(EXPAND_TILE // rank_pad, triton.next_power_of_2(n)))
     _expand_kernel[(num_rows, triton.cdiv(n, block_n))](
         h, lora_b, token_slots, y, n, lora_b.stride(0), lora_b.stride(1), y.stride(0),
         PART_STARTS=tuple(part_starts), RANK=rank, RANK_PAD=rank_pad, BLOCK_N=block_n, num_warps=NUM_WARPS,
-        **launch_options(x.device))
+        **launch_options(y.device))

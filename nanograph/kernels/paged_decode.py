@@ -239,9 +239,8 @@ def _decode_kernel(
 
 @functools.lru_cache
 def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132  # Triton interpreter on CPU: plan as for an H100.
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    """The SMs to plan the splits for; under the Triton interpreter on CPU, an H100's 132."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
 @functools.cache  # never evicted: a captured graph keeps using the buffer it was captured with

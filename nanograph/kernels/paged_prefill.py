@@ -42,9 +42,7 @@ def _prefill_kernel(
     GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, D_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    q_block = tl.program_id(0)
-    seq = tl.program_id(1)
-    head = tl.program_id(2)
+    q_block, seq, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     kv_head = head // GROUP
 
     q_start = tl.load(cu_seqlens_q_ptr + seq)

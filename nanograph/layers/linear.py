@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from nanograph.layers.lora import add_lora
+from nanograph.layers.lora import add_lora, lora_inputs
 from nanograph.layers.norm import DeferredNorm
 
 
@@ -45,15 +45,15 @@ def use_gemv(x: torch.Tensor | DeferredNorm) -> bool:
 
 
 def linear(x: torch.Tensor | DeferredNorm, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           silu_and_mul: bool = False) -> torch.Tensor:
-    """x W^T + bias. The GEMV path also takes a DeferredNorm as x, and can apply the MLP's
-    activation to a [gate | up] product (the cuBLAS path leaves that to the caller)."""
+           silu_and_mul: bool = False, layer=None) -> torch.Tensor:
+    """x W^T + bias, plus each row's LoRA delta when `layer` is a LoRA target (layers/lora.py).
+    The GEMV path also takes a DeferredNorm as x and can apply the MLP's activation to a [gate | up]
+    product (the cuBLAS path leaves that to the caller); it adds the delta itself."""
     if not use_gemv(x):
-        return F.linear(x, weight, bias)
+        return add_lora(x, F.linear(x, weight, bias), layer)
     from nanograph.kernels.gemv import gemv
-    if isinstance(x, DeferredNorm):
-        return gemv(x.x, weight, bias, silu_and_mul, x.weight, x.eps, x.residual, x.residual_out)
-    return gemv(x, weight, bias, silu_and_mul)
+    lora, x = lora_inputs(x, layer), x if isinstance(x, DeferredNorm) else DeferredNorm(x)
+    return gemv(x.x, weight, bias, silu_and_mul, x.weight, x.eps, x.residual, x.residual_out, lora)
 
 
 def parameter(data: torch.Tensor, weight_loader) -> nn.Parameter:
@@ -98,7 +98,7 @@ class ColumnParallelLinear(nn.Module):
         self.lora_b[slot, offset:offset + rows, :b.shape[1]] = b[start:start + rows]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return add_lora(x, linear(x, self.weight, self.bias), self)
+        return linear(x, self.weight, self.bias, layer=self)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -162,7 +162,7 @@ class RowParallelLinear(nn.Module):
         self.lora_b[slot, :, :b.shape[1]] = b
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = add_lora(x, linear(x, self.weight), self)
+        y = linear(x, self.weight, layer=self)
         if tp_size() > 1:
             dist.all_reduce(y)
         return y if self.bias is None else y + self.bias

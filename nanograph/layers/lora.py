@@ -14,12 +14,17 @@ of A and all of B, so its delta is a partial sum that the layer's all-reduce com
 Each row of a step names its slot (-1: the base model), and the step's rank is the smallest
 rank bucket that holds all its adapters; a step without adapters has rank 0: no LoRA work at
 all. The delta `y += (x A^T) B^T` of each row is computed
-- in decode on CUDA by the BGMV kernel (kernels/lora.py): each row gathers its own slot's
-  weights; capturable, so each (batch, rank) bucket has its own graph (cuda_graph.py);
-- otherwise (prefill, the CPU) in plain torch, per slot, over the rows that use it: the oracle.
+- on CUDA by the BGMV kernels (kernels/lora.py): each row gathers its own slot's weights;
+  capturable, so each (batch, rank) bucket has its own graph (cuda_graph.py). Where the product
+  is the few-row GEMV (`lora_inputs`) the GEMV adds the delta itself after the shrink kernel, so
+  LoRA keeps the deferred norms (the activation is a kernel of its own in a LoRA step:
+  kernels/gemv.py says why); after a cuBLAS product (`add_lora`) the expand kernel adds it;
+- otherwise (larger prefills, the CPU) in plain torch, every slot over all rows, each row keeping
+  its own slot's delta (no host sync, no index lists): the oracle.
 """
 import torch
 
+from nanograph.layers.norm import DeferredNorm
 from nanograph.lora import Adapter, adapter_weights
 from nanograph.utils.context import get_step_metadata
 
@@ -52,19 +57,30 @@ def load_adapter(model, slot: int, adapter: Adapter) -> None:
         layer.load_lora(slot, shard_id, a.to(layer.weight.dtype), b.to(layer.weight.dtype))
 
 
+def lora_inputs(x: torch.Tensor | DeferredNorm, layer) -> tuple | None:
+    """CUDA: the first half of each row's delta, h = x A^T of the row's adapter (kernels/lora.py's
+    shrink, which also applies a deferred norm), with what the second half needs:
+    (h, lora_b, slots, part_starts). None when `layer` (None: not a LoRA target) adds no delta this step."""
+    if getattr(layer, "lora_a", None) is None or get_step_metadata().lora_rank == 0:
+        return None
+    from nanograph.kernels.lora import lora_shrink
+    md, x = get_step_metadata(), x if isinstance(x, DeferredNorm) else DeferredNorm(x)
+    h = lora_shrink(x.x, layer.lora_a, md.lora_slots, md.lora_rank, x.weight, x.eps, x.residual)
+    return h, layer.lora_b, md.lora_slots, layer.part_starts
+
+
 def add_lora(x: torch.Tensor, y: torch.Tensor, layer) -> torch.Tensor:
-    """y (= x W^T of `layer`) plus the LoRA delta of each row's adapter, in place."""
-    md = get_step_metadata()
-    if layer.lora_a is None or md.lora_rank == 0:
+    """y (= x W^T of `layer`, None: not a LoRA target) plus the LoRA delta of each row's adapter, in place."""
+    if getattr(layer, "lora_a", None) is None or get_step_metadata().lora_rank == 0:
         return y
-    rank = md.lora_rank
+    md = get_step_metadata()
     if y.is_cuda and not md.is_prefill:
-        from nanograph.kernels.lora import lora_bgmv
-        lora_bgmv(x, y, layer.lora_a, layer.lora_b, md.lora_slots, layer.part_starts, rank)
+        from nanograph.kernels.lora import lora_expand
+        lora_expand(y, *lora_inputs(x, layer))
         return y
     parts = list(zip(layer.part_starts, layer.part_starts[1:] + (y.shape[1],)))
-    for slot, rows in md.lora_rows:
-        h = torch.einsum("tk,prk->tpr", x[rows], layer.lora_a[slot, :, :rank])  # [rows, parts, rank]
-        delta = torch.cat([h[:, p] @ layer.lora_b[slot, start:end, :rank].T for p, (start, end) in enumerate(parts)], 1)
-        y.index_put_((rows,), delta, accumulate=True)
+    for slot in range(layer.lora_a.shape[0]):  # every slot over every row: each row keeps only its own slot's delta
+        h = torch.einsum("tk,prk->tpr", x, layer.lora_a[slot, :, :md.lora_rank])  # [rows, parts, rank]
+        delta = torch.cat([h[:, p] @ layer.lora_b[slot, start:end, :md.lora_rank].T for p, (start, end) in enumerate(parts)], 1)
+        y += delta * (md.lora_slots == slot)[:, None]
     return y

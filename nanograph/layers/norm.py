@@ -40,10 +40,10 @@ class DeferredNorm:
     """rms_norm(x + residual) * weight, left for the GEMV that consumes it; x + residual goes
     to residual_out (both None for the first layer's norm, which has no residual)."""
     x: torch.Tensor
-    weight: torch.Tensor
-    eps: float
-    residual: torch.Tensor | None
-    residual_out: torch.Tensor | None
+    weight: torch.Tensor | None = None  # None: no norm, x as it is
+    eps: float = 0.0
+    residual: torch.Tensor | None = None
+    residual_out: torch.Tensor | None = None
 
 
 class RMSNorm(nn.Module):

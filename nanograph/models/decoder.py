@@ -28,13 +28,6 @@ def head_dim(cfg) -> int:
     return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
 
-def fuse_small_batch(x) -> bool:
-    """Decode at small batch on CUDA: each norm is deferred into the GEMV that reads it, SiLU is
-    fused into gate/up (layers/norm.py, kernels/gemv.py). Not in a step with LoRA adapters: their
-    delta needs the normalised input as a tensor, and is added before SiLU."""
-    return use_gemv(x) and get_step_metadata().lora_rank == 0
-
-
 @cuda_compiled
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     gate, up = x.chunk(2, dim=-1)
@@ -71,7 +64,8 @@ class DecoderMLP(nn.Module):
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if fuse_small_batch(x):  # the activation fused into the GEMV
+        # the activation fused into the GEMV, except in LoRA steps (kernels/gemv.py says why)
+        if use_gemv(x) and get_step_metadata().lora_rank == 0:
             return self.down_proj(linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias, silu_and_mul=True))
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
@@ -87,7 +81,7 @@ class DecoderLayer(nn.Module):
     def forward(self, positions, x, residual):
         # residual carries the un-normalised stream; at small decode batches on CUDA both norms
         # are deferred into the GEMV that reads them (see norm.py)
-        defer = fuse_small_batch(x)
+        defer = use_gemv(x)
         x, residual = self.input_layernorm(x, residual, defer)
         x = self.self_attn(positions, x)
         x, residual = self.post_attention_layernorm(x, residual, defer)

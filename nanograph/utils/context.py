@@ -11,7 +11,7 @@ Under CUDA graphs the tensors in here are the graph runner's *static buffers*, s
 whatever the runner copied into them just before; the plain ints (the LoRA rank) are fixed per
 graph.
 """
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -28,7 +28,6 @@ class StepMetadata:
     host_context_lens: list[int] | None = None  # torch backend can slice without syncing
     lora_rank: int = 0                          # rank bucket of the step's adapters, 0 = no LoRA work
     lora_slots: torch.Tensor | None = None      # [num_tokens] int32 adapter slot of each token, -1 = none
-    lora_rows: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (slot, its token rows): torch path
 
 
 _metadata: StepMetadata | None = None
