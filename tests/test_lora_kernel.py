@@ -1,4 +1,5 @@
-"""kernels/lora.py's batched multi-LoRA product against a plain per-row torch loop.
+"""kernels/lora.py's batched multi-LoRA product (shrink then expand, and shrink then the GEMV of
+kernels/gemv.py adding the delta itself) against a plain per-row torch loop.
 
 Adapters are stored as the engine stores them: slot s of rank r_s <= rank has A rows and B
 columns past r_s zero, a part the adapter does not target is all zero, and one slot that no row
