@@ -81,6 +81,6 @@ def add_lora(x: torch.Tensor, y: torch.Tensor, layer) -> torch.Tensor:
     parts = list(zip(layer.part_starts, layer.part_starts[1:] + (y.shape[1],)))
     for slot in range(layer.lora_a.shape[0]):  # every slot over every row: each row keeps only its own slot's delta
         h = torch.einsum("tk,prk->tpr", x, layer.lora_a[slot, :, :md.lora_rank])  # [rows, parts, rank]
-        delta = torch.cat([h[:, p] @ layer.lora_b[slot, start:end, :md.lora_rank].T for p, (start, end) in enumerate(parts)], 1)
+        delta = torch.cat([h[:, p] @ layer.lora_b[slot, s:e, :md.lora_rank].T for p, (s, e) in enumerate(parts)], 1)
         y += delta * (md.lora_slots == slot)[:, None]
     return y
