@@ -41,7 +41,7 @@ Every tensor-parallel rank computes the same ladder from the same config, as its
 require.
 
 The grid with LoRA (`enable_lora`): a graph also fixes how much LoRA work each layer does (none,
-or the BGMV kernels over `rank` rank columns, layers/lora.py), so graphs are keyed by (batch
+or the LoRA kernels over `rank` rank columns, layers/lora.py), so graphs are keyed by (batch
 bucket, rank bucket), rank buckets 0, 8, 16, 32, 64 up to `max_lora_rank`; a step replays the
 graph of its batch bucket and of the smallest rank bucket that holds its largest adapter rank,
 and a step without adapters the rank-0 graph, which has no LoRA kernels at all. Every batch

@@ -1,4 +1,4 @@
-"""The multi-LoRA delta of a decode step: y[t] += B[s] (A[s] x[t]), s = the row's slot.
+"""The multi-LoRA delta of a step on CUDA: y[t] += B[s] (A[s] x[t]), s = the row's slot.
 
 BGMV (batched gather matrix-vector, as in Punica): every row of the step may use another adapter,
 so there is no shared weight to batch a GEMM over. Instead each row's programs gather their own
