@@ -58,10 +58,6 @@ class Batch:
     lora_rank: int = 0                                   # rank bucket of the step's adapters, 0 = none
     lora_loads: list = field(default_factory=list)       # (slot, Adapter) to load before this step
 
-    def end(self, row: int) -> int:
-        """Tokens of the row's sequence computed after this step; a sampled token goes at this index."""
-        return self.starts[row] + self.num_tokens[row]
-
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
@@ -162,7 +158,7 @@ class Scheduler:
             if seq.status == Status.FINISHED:
                 self.num_discarded_tokens += batch.samples[row]  # stopped by a token one step late
                 continue
-            end = batch.end(row)
+            end = batch.starts[row] + batch.num_tokens[row]  # computed after this step: the sampled token's index
             # blocks this step completed (none if it was preempted since: its counter went back to 0)
             self.block_manager.register_computed_blocks(seq, min(end, seq.num_computed_tokens))
             if not batch.samples[row]:

@@ -47,7 +47,7 @@ def build_step(batch: Batch, block_size: int) -> StepInput:
                      [p.top_p for p in params] if top else None, batch.lora_slots, batch.lora_rank, batch.lora_loads)
     width = max(len(seq.block_table) for seq in batch.seqs)
     for row, seq in enumerate(batch.seqs):
-        start, end = batch.starts[row], batch.end(row)
+        start, end = batch.starts[row], batch.starts[row] + batch.num_tokens[row]
         step.input_ids += seq.token_ids[start:end]
         step.positions += range(start, end)
         step.slot_mapping += [seq.block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]

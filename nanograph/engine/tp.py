@@ -70,11 +70,6 @@ def init_distributed(config: Config, rank: int, store: dist.Store) -> None:
                             world_size=config.tensor_parallel_size, timeout=STEP_TIMEOUT)
 
 
-def control_group():
-    """The gloo group for the per-step control messages (every rank creates it, in the same order)."""
-    return dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
-
-
 LISTS = ("input_ids", "positions", "slot_mapping", "context_lens", "cu_seqlens_q", "temperatures", "seeds", "top_ks",
          "top_ps", "lora_slots")
 FLOATS = ("temperatures", "top_ps")  # sent as their float32 bits
@@ -124,7 +119,7 @@ def worker_main(config: Config, rank: int, port: int) -> None:
     store.add("workers_connected", 1)
     init_distributed(config, rank, store)
     runner = ModelRunner(config, rank)
-    group = control_group()
+    group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)  # for the per-step control messages
     while (step := receive_step(group)) is not None:
         runner.forward(step)  # samples the same ids as rank 0
     runner.close()  # its graphs hold references on the NCCL communicator: free them before it goes
@@ -177,7 +172,7 @@ class TensorParallelRunner(ModelRunner):
             init_distributed(config, 0, store)
             # every rank builds its runner (and runs its own warm-up forwards) before steps are sent
             super().__init__(config, 0)
-            self.group_ref[0] = control_group()
+            self.group_ref[0] = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)  # as the workers do, in order
         except BaseException as e:
             self.fail(e)
 

