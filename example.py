@@ -5,14 +5,17 @@
 
 The demo model (nanograph/pretrained/pycoder, 8.2M parameters) is small: it writes plausible
 Python, not correct Python. What `python example.py --temperature 0` printed on a CPU (float32)
-for the second prompt:
+for the second prompt (its first 8 lines):
 
     class LRUCache:
         def __init__(self, capacity):
-            self.cache = capacity
+            self.capacity = capacity
 
-        def __call__(self, *args, **kwargs):
-            return self.cache(*args, **kwargs)
+        def __repr__(self):
+            return "LRUCache()"
+
+        def __hash__(self):
+            return hash(self.capacity)
 """
 import argparse
 import logging

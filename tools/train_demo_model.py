@@ -16,7 +16,12 @@ How it works, and why:
   folders) are skipped, as are files that are not UTF-8, larger than 512 kB or
   with a line over 1,000 characters (generated tables). Files are deduplicated by
   content hash. Which packages and licences went in is written to the model's
-  README.
+  README. Every docstring of more than one line is cut to its first sentence, on
+  one line (``short_docstrings``): library code is about one fifth docstrings,
+  and the previous model, trained on them whole, spent 12 of its 13 unparsable
+  64-token completions inside a docstring it never got to close. A model of 8M
+  parameters is shown writing code, not Args sections; it still writes a
+  one-line docstring where the code it learnt from had one.
 * Split. Whole packages are held out, not files: packages are taken in the
   order of a hash of their name, each no larger than 1.5% of the corpus, until
   3% of the corpus is held out. The split depends only on what is installed, so
@@ -74,6 +79,7 @@ import hashlib
 import importlib.metadata
 import json
 import math
+import multiprocessing
 import os
 import platform
 import re
@@ -276,6 +282,46 @@ def dedupe_and_cap(train: list[Package], held: list[Package], max_mb: float | No
                 else:
                     kept += size
     return stats
+
+
+def short_docstrings(text: str) -> str:
+    """The source with every docstring of more than one line cut to its first sentence, on one line.
+
+    Files that do not parse, and docstrings that share a line with other code or whose sentence
+    holds a backslash or quotes, are left as they are.
+    """
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError, MemoryError, RecursionError):
+        return text
+    lines, edits = text.splitlines(keepends=True), []
+    for node in ast.walk(tree):
+        if not isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) or not node.body:
+            continue
+        doc = node.body[0]
+        if (not isinstance(doc, ast.Expr) or not isinstance(doc.value, ast.Constant)
+                or not isinstance(doc.value.value, str) or doc.end_lineno == doc.lineno):
+            continue
+        indent = lines[doc.lineno - 1][:doc.col_offset]  # col_offset counts UTF-8 bytes: fine for whitespace
+        paragraph = " ".join(re.split(r"\n\s*\n", doc.value.value.strip())[0].split())
+        sentence = re.match(r"(.+?\.)(\s|$)", paragraph)
+        summary = sentence.group(1) if sentence else paragraph
+        if (indent.strip() or lines[doc.end_lineno - 1].encode()[doc.end_col_offset:].strip() or not summary
+                or '"' in summary or "\\" in summary):
+            continue
+        edits.append((doc.lineno, doc.end_lineno, f'{indent}"""{summary}"""\n'))
+    for start, end, line in sorted(edits, reverse=True):  # bottom up, so earlier line numbers stay valid
+        lines[start - 1:end] = [line]
+    return "".join(lines)
+
+
+def shorten_docstrings(packages: list[Package]) -> None:
+    """short_docstrings on every file, on all cores (ast.parse runs at ~2 MB/s on one); edits in place."""
+    items = [(pkg, path) for pkg in packages for path in pkg.files]
+    with multiprocessing.Pool() as pool:
+        texts = pool.map(short_docstrings, [pkg.files[path] for pkg, path in items], chunksize=32)
+    for (pkg, path), text in zip(items, texts):
+        pkg.files[path] = text
 
 
 def texts_of(packages: list[Package]) -> list[str]:
@@ -582,6 +628,9 @@ is also the EOS.
 a permissive licence, plus the standard library; without vendored copies
 (`_vendor` folders), files that are not UTF-8, over 512 kB or with a line over
 1,000 characters, and duplicates (by content hash: {m['data']['duplicates_dropped']:,} files dropped).
+Every docstring of more than one line is cut to its first sentence, on one line
+(in the held-out files too), so the model spends its tokens on code rather than
+on Args sections.
 Whole packages are held out for validation: in the order of a hash of the name,
 each no larger than 1.5% of the corpus, until 3% is held out.
 Training: {m['data']['train_files']:,} files, {m['data']['train_mb']:.1f} MB,
@@ -676,6 +725,7 @@ def main() -> None:
     held_pkgs = [p for p in held_pkgs if p.files]
     if not train_pkgs or not held_pkgs:
         sys.exit(f"too few usable packages: {len(train_pkgs)} to train on, {len(held_pkgs)} to hold out")
+    shorten_docstrings(train_pkgs + held_pkgs)
     train_files = sorted(((path, pkg) for pkg in train_pkgs for path in pkg.files),
                          key=lambda item: _stable_hash(item[0]))  # the order --max-mb capped in
     train_texts, val_texts = [pkg.files[path] for path, pkg in train_files], texts_of(held_pkgs)
