@@ -1,7 +1,8 @@
 """Shared fixtures: tiny random HF checkpoints of each supported family, saved to a temp dir.
 
 No weights can be downloaded here, so every test builds its model from a transformers config
-class with a fixed seed and saves it (float32 safetensors + config + generation config).
+class with a fixed seed and saves it (float32 safetensors + config + generation config); the
+LoRA tests' PEFT adapters for those models are made here too, once per session.
 
 Without CUDA the Triton kernels run in Triton's interpreter (the `*_interpreter` tests of
 test_kernels.py); the variable must be set before triton is first imported, hence here.
@@ -50,6 +51,39 @@ def tiny_model(tmp_path_factory):
     def make(family: str = "qwen3") -> str:
         if family not in cache:
             cache[family] = save_tiny_model(tmp_path_factory.mktemp(family), family)
+        return cache[family]
+    return make
+
+
+ADAPTERS = {  # name -> LoraConfig arguments
+    "qv8": dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"]),
+    "all16": dict(r=16, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                      "up_proj", "down_proj"], use_rslora=True),
+    "mlp4": dict(r=4, lora_alpha=4, target_modules=["up_proj", "o_proj"]),
+}
+
+
+@pytest.fixture(scope="session")
+def adapters(tiny_model, tmp_path_factory):
+    """Factory: adapters("qwen3") -> {name: LoRARequest} of PEFT adapters saved for that model."""
+    from peft import LoraConfig, get_peft_model
+    from nanograph import LoRARequest
+    cache = {}
+
+    def make(family: str) -> dict:
+        if family not in cache:
+            cache[family] = {}
+            for i, (name, kwargs) in enumerate(ADAPTERS.items()):
+                torch.manual_seed(10 + i)
+                base = AutoModelForCausalLM.from_pretrained(tiny_model(family), dtype=torch.float32)
+                peft = get_peft_model(base, LoraConfig(init_lora_weights=False, **kwargs))
+                with torch.no_grad():  # larger than PEFT's init, so every adapter moves the argmax
+                    for pname, p in peft.named_parameters():
+                        if "lora_" in pname:
+                            p.mul_(3.0)
+                path = tmp_path_factory.mktemp(f"{family}-{name}")
+                peft.save_pretrained(path)
+                cache[family][name] = LoRARequest(name, str(path))
         return cache[family]
     return make
 

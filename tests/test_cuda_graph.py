@@ -7,7 +7,6 @@ import torch
 
 from nanograph.engine.cuda_graph import DecodeBuffers, GraphStats, bucket_ladder, find_bucket
 from nanograph.engine.model_runner import StepInput
-from test_lora import adapters  # noqa: F401 (a fixture, for the flash-attn LoRA case)
 
 
 def test_ladder():

@@ -1,8 +1,8 @@
 """Multi-LoRA: nanograph's greedy tokens equal HF + PEFT's, per request, in mixed batches of
 adapters of different ranks and base-model requests; adapter slots, prefix caching and bad input.
 
-The adapters are made with PEFT's `init_lora_weights=False` (random A and B), so they really
-change the output (asserted). CPU float32 here; the same on the GPU with decode graphs per
+The adapters (conftest.py) are made with PEFT's `init_lora_weights=False` (random A and B), so
+they really change the output (asserted). CPU float32 here; the same on the GPU with decode graphs per
 (batch, LoRA rank) bucket at the end.
 """
 import json
@@ -19,38 +19,6 @@ from nanograph import LLM, LoRARequest, SamplingParams
 from test_engine import assert_all_blocks_free, random_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-ADAPTERS = {  # name -> LoraConfig arguments
-    "qv8": dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"]),
-    "all16": dict(r=16, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                                      "up_proj", "down_proj"], use_rslora=True),
-    "mlp4": dict(r=4, lora_alpha=4, target_modules=["up_proj", "o_proj"]),
-}
-
-
-@pytest.fixture(scope="module")
-def adapters(tiny_model, tmp_path_factory):
-    """Factory: adapters("qwen3") -> {name: LoRARequest} of PEFT adapters saved for that model."""
-    from peft import LoraConfig, get_peft_model
-    cache = {}
-
-    def make(family: str) -> dict[str, LoRARequest]:
-        if family not in cache:
-            cache[family] = {}
-            for i, (name, kwargs) in enumerate(ADAPTERS.items()):
-                torch.manual_seed(10 + i)
-                base = AutoModelForCausalLM.from_pretrained(tiny_model(family), dtype=torch.float32)
-                peft = get_peft_model(base, LoraConfig(init_lora_weights=False, **kwargs))
-                with torch.no_grad():  # larger than PEFT's init, so every adapter moves the argmax
-                    for pname, p in peft.named_parameters():
-                        if "lora_" in pname:
-                            p.mul_(3.0)
-                path = tmp_path_factory.mktemp(f"{family}-{name}")
-                peft.save_pretrained(path)
-                cache[family][name] = LoRARequest(name, str(path))
-        return cache[family]
-    return make
-
-
 def peft_greedy(model_dir: str, request: LoRARequest | None, prompt: list[int], max_tokens: int) -> list[int]:
     """The oracle: HF + PEFT (or HF alone for the base model), greedy, one prompt."""
     if request is None:

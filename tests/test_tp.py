@@ -15,7 +15,6 @@ from transformers import AutoModelForCausalLM, GenerationConfig, Qwen3Config
 from conftest import COMMON, FAMILIES
 from nanograph import LLM, SamplingParams
 from test_engine import random_prompts
-from test_lora import adapters  # noqa: F401 (a fixture)
 from test_overlap import mixed_requests
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
