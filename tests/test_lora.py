@@ -134,10 +134,11 @@ def test_bad_lora_input_is_a_clear_error_and_the_engine_stays_usable(tiny_model,
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 def test_mixed_batch_matches_peft_with_graphs(tiny_model, adapters, family):
     """Decode batches shrink from 11 (eager) through the buckets [1, 2, 4, 8], in rank buckets 8
-    and 16 (and 0 once only base requests are left): every kind of graph replays."""
+    and 16, down to the longest request alone on an adapter of all seven projections (one row: its
+    [gate | up] GEMV applies the delta and the activation together)."""
     path, reqs = tiny_model(family), adapters(family)
     prompts = random_prompts([5 + 4 * i for i in range(11)], seed=15)
-    loras = ([reqs["all16"], reqs["qv8"], None, reqs["mlp4"]] * 3)[:11]
+    loras = ([None, reqs["mlp4"], reqs["all16"], reqs["qv8"]] * 3)[:11]
     params = [SamplingParams(temperature=0, max_tokens=4 + 3 * i, ignore_eos=True) for i in range(11)]
     with LLM(path, kvcache_block_size=16, enable_lora=True, max_loras=3, max_lora_rank=16, dtype="float32",
              cuda_graph_sizes=[1, 2, 4, 8]) as llm:
@@ -146,4 +147,5 @@ def test_mixed_batch_matches_peft_with_graphs(tiny_model, adapters, family):
     expected = [peft_greedy(path, r, p, sp.max_tokens) for r, p, sp in zip(loras, prompts, params)]
     assert [o["token_ids"] for o in outs] == expected
     assert stats["lora_rank_buckets"] == [8, 16] and stats["num_graphs"] == 12
-    assert len(stats["replays_per_lora_bucket"]) >= 3 and 0 < stats["graph_hit_rate"] < 1
+    assert len(stats["replays_per_lora_bucket"]) >= 3 and stats["replays_per_lora_bucket"]["1x16"] > 0
+    assert 0 < stats["graph_hit_rate"] < 1

@@ -90,12 +90,13 @@ def assert_close_delta(out, ref, y, slots, dtype):
 def check_gemv_lora(device, dtype, num_rows, k, part_sizes, deferred, rank=8, max_rank=16):
     """The GEMV path: shrink then the GEMV that adds the delta itself, both computing the deferred
     input (None, or "norm": rms_norm(x + residual)), against F.linear plus the oracle's delta on
-    that input. Slot -1 rows
-    must get exactly the GEMV's product without LoRA."""
+    that input; with two equal parts ([gate | up]) the GEMV also applies the MLP's activation
+    to the sum, as in the model. Slot -1 rows must get exactly the GEMV's product without LoRA."""
     pytest.importorskip("triton")
     from nanograph.kernels.gemv import gemv
     from nanograph.kernels.lora import lora_shrink
     from nanograph.layers.norm import rms_norm
+    from nanograph.models.decoder import silu_and_mul
 
     gen = torch.Generator().manual_seed(num_rows * 100 + k)
     x, _, lora_a, lora_b, slots = make_inputs(gen, num_rows, k, part_sizes, max_rank, rank, dtype)
@@ -107,10 +108,13 @@ def check_gemv_lora(device, dtype, num_rows, k, part_sizes, deferred, rank=8, ma
     x_in = rms_norm(x + residual, norm_w, 1e-6) if norm else x
     product = torch.nn.functional.linear(x_in.float(), w.float())
     ref = reference(x_in.float(), product, lora_a.float(), lora_b.float(), slots, starts, rank)
+    gate_up = len(part_sizes) == 2 and part_sizes[0] == part_sizes[1]
+    if gate_up:
+        ref, product = (silu_and_mul(t.to(dtype)).float() for t in (ref, product))
 
     to = lambda t: None if t is None else t.to(device)
     r_out = None if residual is None else torch.empty(num_rows, k, dtype=dtype, device=device)
-    args = (to(x), to(w), None, False, to(norm_w), 1e-6, to(residual), r_out)
+    args = (to(x), to(w), None, gate_up, to(norm_w), 1e-6, to(residual), r_out)
     h = lora_shrink(to(x), to(lora_a), to(slots), rank, to(norm_w), 1e-6, to(residual))
     out = gemv(*args, lora=(h, to(lora_b), to(slots), starts)).cpu()
     base = gemv(*args).cpu()

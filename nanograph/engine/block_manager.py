@@ -40,8 +40,7 @@ class Block:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool):
-        self.block_size = block_size
-        self.enable_prefix_caching = enable_prefix_caching
+        self.block_size, self.enable_prefix_caching = block_size, enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_block_ids: deque[int] = deque(range(num_blocks))
         self.hash_to_block_id: dict[int, int] = {}

@@ -101,8 +101,7 @@ class DecodeBuffers:
         pin = torch.device(device).type == "cuda"
         self.host_flats = [torch.zeros(size, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
         self.hosts = [{name: view.numpy() for name, view in self._views(flat).items()} for flat in self.host_flats]
-        self.dev = self._views(self.device_flat)
-        self.turn = 0
+        self.dev, self.turn = self._views(self.device_flat), 0
         for name, pad in self.FIELDS.items():  # what the captures run on: all rows padding
             self.dev[name].fill_(pad)
 
@@ -203,8 +202,7 @@ class CudaGraphRunner:
     def replay(self, step) -> tuple[torch.Tensor, torch.Tensor] | None:
         """A decode step's logits and sampled ids from its graph; None (counted) when it must run eager."""
         n = len(step.input_ids)
-        bucket = find_bucket(self.ladder, n)
-        if bucket is None:
+        if (bucket := find_bucket(self.ladder, n)) is None:
             self.stats.eager_steps += 1
             return None
         self.buffers.fill(step, bucket)

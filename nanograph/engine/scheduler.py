@@ -64,8 +64,7 @@ class Scheduler:
                  eos_ids: frozenset[int] = frozenset(), max_model_len: int = 1 << 30, max_loras: int = 0,
                  lora_ranks: tuple[int, ...] = ()):
         self.block_manager = block_manager
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.eos_ids, self.max_model_len = eos_ids, max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()

@@ -26,10 +26,12 @@ latency even when its weights are already in flight):
 - `lora`: in a step with LoRA adapters each row adds its adapter's delta B h to its outputs.
   h = x A^T, a few numbers per row, comes from kernels/lora.py's shrink kernel, which applies the
   same deferred norm to its input; the B rows of each row's adapter are loaded before the wait,
-  like the weights. So a LoRA layer adds one kernel (the shrink), not four. Not together with
-  `silu_and_mul`: at 2-4 rows the two took so many registers that the [gate | up] GEMV ran at
-  2-3 programs per SM and cost twice as much (Qwen3-0.6B, H100); a LoRA step's MLP runs the
-  activation as a kernel of its own.
+  like the weights. So a LoRA layer adds one kernel (the shrink), not four. With `silu_and_mul`
+  the up rows get their delta too, before the activation. models/decoder.py uses that pair at one
+  row only: at 2 and 4 rows the [gate | up] GEMV with both took 158 and 168 registers per thread
+  (128 without LoRA: 3 programs per SM instead of 4) and a LoRA step was as slow (2 rows) or 18%
+  slower (4 rows) than with the activation as a kernel of its own; at 1 row it is 8% faster
+  (Qwen3-0.6B shape, rank 16, H100).
 All round like the torch path (layers/norm.py, models/decoder.py) at every step.
 """
 import torch
@@ -58,10 +60,11 @@ def lora_b_tile(b_ptr, slot, w_rows, num_w_rows, stride_bs, stride_bn, RANK: tl.
 
 
 @triton.jit
-def lora_h_tile(h_ptr, slot, w_rows, PART_STARTS: tl.constexpr, RANK: tl.constexpr, RANK_PAD: tl.constexpr):
-    """One row's shrunk input h [parts, RANK] (at h_ptr, float32) as a [len(w_rows), RANK_PAD] tile
-    that matches lora_b_tile's: each weight row gets the h of the part it belongs to (parts start at
+def lora_h_tile(h_ptr, row, slot, w_rows, PART_STARTS: tl.constexpr, RANK: tl.constexpr, RANK_PAD: tl.constexpr):
+    """Row `row`'s shrunk input h[row] [parts, RANK] (h: [rows, parts, RANK], float32) as a
+    [len(w_rows), RANK_PAD] tile that matches lora_b_tile's: each weight row gets the h of the part it belongs to (parts start at
     PART_STARTS). Zeros for slot -1 (nothing is read)."""
+    h_ptr += row * len(PART_STARTS) * RANK
     part = tl.zeros_like(w_rows)
     for i in tl.static_range(1, len(PART_STARTS)):
         part += (w_rows >= PART_STARTS[i]).to(w_rows.dtype)
@@ -87,10 +90,12 @@ def _gemv_kernel(
     # (nothing is read without HAS_BIAS, NORM)
     bias = tl.load(bias_ptr + rows, mask=rows < N * HAS_BIAS, other=0.0).to(tl.float32)
     norm_w = tl.load(norm_w_ptr + cols, mask=cols < K * NORM, other=0.0)
-    slots, b = (), ()
+    slots, b, b_up = (), (), ()
     for m in tl.static_range(ROWS if LORA_RANK > 0 else 0):  # each row's adapter's B rows, also before the wait
         slots += (tl.load(slots_ptr + m, mask=M > m, other=-1),)
         b += (lora_b_tile(b_ptr, slots[m], rows, N, stride_bs, stride_bn, LORA_RANK, RANK_PAD),)
+        if SILU_AND_MUL:
+            b_up += (lora_b_tile(b_ptr, slots[m], rows + N, 2 * N, stride_bs, stride_bn, LORA_RANK, RANK_PAD),)
     wait_for_previous_kernel(PDL)
 
     dtype = out_ptr.dtype.element_ty
@@ -98,7 +103,9 @@ def _gemv_kernel(
         in_row = cols < K * (M > m)  # rows M..ROWS-1 are padding: their masks are all false
         x = tl.load(x_ptr + m * stride_xm + cols, mask=in_row, other=0.0)
         if LORA_RANK > 0:  # the row's h [parts, LORA_RANK] (the shrink kernel's), loaded before any reduction waits
-            h = lora_h_tile(h_ptr + m * len(PART_STARTS) * LORA_RANK, slots[m], rows, PART_STARTS, LORA_RANK, RANK_PAD)
+            h = lora_h_tile(h_ptr, m, slots[m], rows, PART_STARTS, LORA_RANK, RANK_PAD)
+            if SILU_AND_MUL:
+                h_up = lora_h_tile(h_ptr, m, slots[m], rows + N, PART_STARTS, LORA_RANK, RANK_PAD)
         if ADD_RESIDUAL:  # program 0 also writes x + residual, the residual stream of later layers
             x += tl.load(residual_ptr + m * stride_rm + cols, mask=in_row, other=0.0)
             tl.store(residual_out_ptr + m * stride_rom + cols, x, mask=cols < K * (M > m) * (tl.program_id(0) == 0))
@@ -110,6 +117,8 @@ def _gemv_kernel(
             y += tl.sum(b[m].to(tl.float32) * h, 1)
         if SILU_AND_MUL:
             up = tl.sum(w_up.to(tl.float32) * x, 1) + bias_up
+            if LORA_RANK > 0:
+                up += tl.sum(b_up[m].to(tl.float32) * h_up, 1)
             gate = y.to(dtype).to(tl.float32)
             y = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up.to(dtype).to(tl.float32)
         tl.store(out_ptr + m * stride_om + rows, y.to(dtype), mask=rows < N * (M > m))
@@ -121,13 +130,13 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     """x: [M, K], M small (layers/linear.py decides); weight: [N, K] (or [2N, K] = [gate | up]
     with silu_and_mul); bias: [N] / [2N] or None. Returns [M, N]: x W^T + bias, or silu(gate) * up.
     With norm_weight the input is rms_norm(x (+ residual)) instead of x, and x + residual is
-    written to residual_out. With lora = (h, lora_b, token_slots, part_starts) (and no silu_and_mul)
-    each row also adds its adapter's delta B h: h [M, parts, rank] from kernels/lora.py's
+    written to residual_out. With lora = (h, lora_b, token_slots, part_starts) each row also adds
+    its adapter's delta B h (before the activation): h [M, parts, rank] from kernels/lora.py's
     lora_shrink, lora_b [slots, weight rows, R >= rank], token_slots [M] (-1: none), part_starts
     where each part's weight rows start."""
     num_rows, k = x.shape
     n = weight.shape[0] // (2 if silu_and_mul else 1)
-    assert x.stride(-1) == 1 and weight.stride(-1) == 1 and weight.shape[1] == k and not (lora and silu_and_mul)
+    assert x.stride(-1) == 1 and weight.stride(-1) == 1 and weight.shape[1] == k
     out = torch.empty(num_rows, n, dtype=x.dtype, device=x.device)
     block_k = triton.next_power_of_2(k)
     block_n = max(1, min(TARGET_TILE // block_k // (2 if silu_and_mul else 1), triton.next_power_of_2(n)))

@@ -82,8 +82,7 @@ def _expand_kernel(h_ptr, b_ptr, slots_ptr, y_ptr, N, stride_bs, stride_bn, stri
     wait_for_previous_kernel(PDL)
     if slot < 0:
         return
-    delta = tl.sum(b.to(tl.float32) * lora_h_tile(h_ptr + t * len(PART_STARTS) * RANK, slot, outs, PART_STARTS,
-                                                  RANK, RANK_PAD), 1)
+    delta = tl.sum(b.to(tl.float32) * lora_h_tile(h_ptr, t, slot, outs, PART_STARTS, RANK, RANK_PAD), 1)
     y = tl.load(y_ptr + t * stride_yt + outs, mask=outs < N)
     tl.store(y_ptr + t * stride_yt + outs, (y.to(tl.float32) + delta).to(y.dtype), mask=outs < N)
 

@@ -45,9 +45,8 @@ def torch_prefill(q, k_cache, v_cache, md: StepMetadata, scale: float) -> torch.
     out = torch.empty_like(q)
     cu = md.host_cu_seqlens_q
     for s, ctx in enumerate(md.host_context_lens):
-        k = gather_kv(k_cache, md.block_tables[s:s + 1])[0, :ctx].transpose(0, 1)  # [Hkv, ctx, D]
-        v = gather_kv(v_cache, md.block_tables[s:s + 1])[0, :ctx].transpose(0, 1)
-        qs = q[cu[s]:cu[s + 1]].transpose(0, 1)                                   # [Hq, n, D]
+        k, v = (gather_kv(c, md.block_tables[s:s + 1])[0, :ctx].transpose(0, 1) for c in (k_cache, v_cache))
+        qs = q[cu[s]:cu[s + 1]].transpose(0, 1)  # [Hq, n, D]; k, v: [Hkv, ctx, D]
         n = qs.shape[1]
         # query i sits at position ctx - n + i and sees keys 0 .. ctx - n + i
         mask = torch.arange(ctx, device=q.device)[None, :] <= torch.arange(ctx - n, ctx, device=q.device)[:, None]
@@ -57,8 +56,7 @@ def torch_prefill(q, k_cache, v_cache, md: StepMetadata, scale: float) -> torch.
 
 
 def torch_decode(q, k_cache, v_cache, md: StepMetadata, scale: float) -> torch.Tensor:
-    k = gather_kv(k_cache, md.block_tables).transpose(1, 2)  # [B, Hkv, L, D]
-    v = gather_kv(v_cache, md.block_tables).transpose(1, 2)
+    k, v = (gather_kv(cache, md.block_tables).transpose(1, 2) for cache in (k_cache, v_cache))  # [B, Hkv, L, D]
     mask = torch.arange(k.shape[2], device=q.device)[None, :] < md.context_lens[:, None]
     mask[:, 0] = True  # padded rows (context 0) attend to one junk key instead of producing NaN
     o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :], scale=scale,

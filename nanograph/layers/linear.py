@@ -97,8 +97,8 @@ class ColumnParallelLinear(nn.Module):
         self.lora_a[slot, self.part_starts.index(offset), :a.shape[0]] = a
         self.lora_b[slot, offset:offset + rows, :b.shape[1]] = b[start:start + rows]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, layer=self)
+    def forward(self, x: torch.Tensor, silu_and_mul: bool = False) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, silu_and_mul, self)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):

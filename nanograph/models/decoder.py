@@ -17,7 +17,7 @@ from torch import nn
 from nanograph.layers.attention import Attention
 from nanograph.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanograph.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, configure_gemv,
-                                     linear, tp_size, use_gemv)
+                                     tp_size, use_gemv)
 from nanograph.layers.norm import RMSNorm
 from nanograph.layers.rotary import RotaryEmbedding
 from nanograph.utils.compile import cuda_compiled
@@ -64,9 +64,10 @@ class DecoderMLP(nn.Module):
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # the activation fused into the GEMV, except in LoRA steps (kernels/gemv.py says why)
-        if use_gemv(x) and get_step_metadata().lora_rank == 0:
-            return self.down_proj(linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias, silu_and_mul=True))
+        # The activation fused into the GEMV (x is then a DeferredNorm); next to a LoRA delta only
+        # at one row (kernels/gemv.py says why).
+        if use_gemv(x) and (get_step_metadata().lora_rank == 0 or len(x.x) == 1):
+            return self.down_proj(self.gate_up_proj(x, silu_and_mul=True))
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
