@@ -62,8 +62,8 @@ def lora_b_tile(b_ptr, slot, w_rows, num_w_rows, stride_bs, stride_bn, RANK: tl.
 @triton.jit
 def lora_h_tile(h_ptr, row, slot, w_rows, PART_STARTS: tl.constexpr, RANK: tl.constexpr, RANK_PAD: tl.constexpr):
     """Row `row`'s shrunk input h[row] [parts, RANK] (h: [rows, parts, RANK], float32) as a
-    [len(w_rows), RANK_PAD] tile that matches lora_b_tile's: each weight row gets the h of the part it belongs to (parts start at
-    PART_STARTS). Zeros for slot -1 (nothing is read)."""
+    [len(w_rows), RANK_PAD] tile that matches lora_b_tile's: each weight row gets the h of the
+    part it belongs to (parts start at PART_STARTS). Zeros for slot -1 (nothing is read)."""
     h_ptr += row * len(PART_STARTS) * RANK
     part = tl.zeros_like(w_rows)
     for i in tl.static_range(1, len(PART_STARTS)):

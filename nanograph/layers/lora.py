@@ -18,7 +18,8 @@ all. The delta `y += (x A^T) B^T` of each row is computed
   capturable, so each (batch, rank) bucket has its own graph (cuda_graph.py). Where the product
   is the few-row GEMV (`lora_inputs`) the GEMV adds the delta itself after the shrink kernel, so
   LoRA keeps the deferred norms (and, at one row, the activation fused into the [gate | up]
-  GEMV: kernels/gemv.py says why not at more); after a cuBLAS product (`add_lora`) the expand kernel adds it;
+  GEMV: kernels/gemv.py says why not at more); after a cuBLAS product (`add_lora`) the expand
+  kernel adds it;
 - otherwise (larger prefills, the CPU) in plain torch, every slot over all rows, each row keeping
   its own slot's delta (no host sync, no index lists): the oracle.
 """
