@@ -28,7 +28,7 @@ latency even when its weights are already in flight):
   same deferred norm to its input; the B rows of each row's adapter are loaded before the wait,
   like the weights. So a LoRA layer adds one kernel (the shrink), not four. With `silu_and_mul`
   the up rows get their delta too, before the activation. models/decoder.py uses that pair at one
-  row only: there a LoRA step is 4-8% faster than with the activation as a kernel of its own; at
+  row only: there a LoRA step is 3-8% faster than with the activation as a kernel of its own; at
   2 rows it is as fast (Qwen3-0.6B shape) or 3% slower (Llama-3.2-1B), at 4 rows 18% slower
   (0.6B), with this tile or half of it (which keeps the registers at the plain GEMV's 128: not
   only their count, then). Rank 16, H100.
