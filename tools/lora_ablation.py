@@ -1,0 +1,91 @@
+"""Where a LoRA decode step's time goes: the same step with parts of the LoRA work taken out.
+
+    PYTHONPATH=. python tools/lora_ablation.py [--shape qwen3-0.6b] [--rank 16] [--batches 1,2,4]
+
+On one bench shape (bench.py --shape; dummy bf16 weights), engines alive side by side, each with
+graphs for exactly the batches and 4 random adapters of --rank round-robin over the rows:
+- `base`: no LoRA at all;
+- `lora`: what nanograph runs;
+- `no shrink`: each LoRA layer gets a scratch h instead of launching the shrink kernel (the GEMV
+  still adds B h): the gap to `lora` is what the shrink kernels cost;
+- `no delta`: the shrink kernels run but the GEMVs get no LoRA input: the gap to `lora` is what
+  adding B h inside the GEMVs costs.
+The last two compute wrong tokens; they exist to be timed. Prints ms per graph step (the best of
+3 rounds, in turn) and the ratio to `base`. Meant for the GEMV path (batches up to the shape's
+GEMV row limit, layers/linear.py); above it the cuBLAS path's expand kernel is not taken out.
+"""
+import argparse
+import tempfile
+from dataclasses import replace
+
+import torch
+
+import nanograph.layers.linear as linear
+from bench import BENCH_SHAPES, decode_step, time_forward, write_lora_adapters, write_model_dir
+from nanograph import LLM
+from nanograph.layers.lora import load_adapter, lora_inputs
+from nanograph.lora import read_adapter
+from nanograph.utils.context import get_step_metadata
+
+NUM_ADAPTERS, CONTEXT, BLOCK_SIZE = 4, 512, 256
+scratch: dict = {}
+
+
+def without_shrink(x, layer):
+    """lora_inputs with a scratch h: made in the warm-up forward before each capture, so the
+    captured graph holds no kernel for it."""
+    if getattr(layer, "lora_a", None) is None or get_step_metadata().lora_rank == 0:
+        return None
+    md = get_step_metadata()
+    rows = (x if isinstance(x, torch.Tensor) else x.x).shape[0]
+    key = (id(layer), rows, md.lora_rank)
+    if key not in scratch:
+        scratch[key] = torch.zeros(rows, layer.lora_a.shape[1], md.lora_rank, device=layer.lora_a.device)
+    return scratch[key], layer.lora_b, md.lora_slots, layer.part_starts
+
+
+def without_delta(x, layer):
+    lora_inputs(x, layer)  # the shrink kernel runs; the GEMV does not read its h
+    return None
+
+
+def build(model_dir: str, batches: list[int], rank: int, adapters: list, inputs=None):
+    """A runner with graphs for `batches`, captured while linear.lora_inputs is `inputs`."""
+    linear.lora_inputs = inputs or lora_inputs
+    try:
+        lora = dict(enable_lora=True, max_loras=NUM_ADAPTERS, max_lora_rank=rank) if adapters else {}
+        llm = LLM(model_dir, load_format="dummy", dtype="bfloat16", kvcache_block_size=BLOCK_SIZE,
+                  num_kvcache_blocks=max(batches) * -(-CONTEXT // BLOCK_SIZE), cuda_graph_sizes=batches, **lora)
+    finally:
+        linear.lora_inputs = lora_inputs
+    for slot, request in enumerate(adapters):
+        load_adapter(llm.runner.model, slot, read_adapter(request, llm.config.hf_config, rank))
+    return llm.runner
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shape", choices=BENCH_SHAPES, default="qwen3-0.6b")
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--batches", type=lambda s: [int(b) for b in s.split(",")], default=[1, 2, 4])
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as root:
+        model_dir = write_model_dir(args.shape, root)
+        adapters = write_lora_adapters(model_dir, NUM_ADAPTERS, args.rank, "bfloat16", root)
+        runners = {"base": build(model_dir, args.batches, args.rank, []),
+                   "lora": build(model_dir, args.batches, args.rank, adapters),
+                   "no shrink": build(model_dir, args.batches, args.rank, adapters, without_shrink),
+                   "no delta": build(model_dir, args.batches, args.rank, adapters, without_delta)}
+    best = {}
+    for _ in range(3):  # in turn, so that a drift of the clocks hits every engine alike
+        for bs in args.batches:
+            step = decode_step(bs, CONTEXT, BLOCK_SIZE)
+            lora_step = replace(step, lora_slots=[i % NUM_ADAPTERS for i in range(bs)], lora_rank=args.rank)
+            for name, runner in runners.items():
+                ms = time_forward(runner, step if name == "base" else lora_step, "cuda", 30) * 1e3
+                best[name, bs] = min(best.get((name, bs), float("inf")), ms)
+    print(f"{args.shape}, rank {args.rank}, {torch.cuda.get_device_name()}: ms per graph step (context {CONTEXT})")
+    print(f"{'':10}" + "".join(f"{'batch ' + str(bs):>18}" for bs in args.batches))
+    for name in runners:
+        print(f"{name:10}" + "".join(f"{best[name, bs]:10.3f} {best[name, bs] / best['base', bs]:5.2f}x"
+                                     for bs in args.batches))
