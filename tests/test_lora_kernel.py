@@ -135,7 +135,8 @@ def check_gemv_lora(device, dtype, num_rows, k, part_sizes, deferred, rank=8, ma
                                                   (2048, (1024,), None), (3072, (1024,), None)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gemv_lora(num_rows, k, part_sizes, deferred, dtype):
-    """The Qwen3-0.6B shapes (QKV and gate/up with the deferred norm, o, down), max_lora_rank 64, rank 16."""
+    """The Qwen3-0.6B shapes (QKV and gate/up with the deferred norm, gate/up also with the activation,
+    o, down), max_lora_rank 64, rank 16."""
     check_gemv_lora("cuda", dtype, num_rows, k, part_sizes, deferred, 16, 64)
 
 
