@@ -9,8 +9,12 @@ graphs for exactly the batches and 4 random adapters of --rank round-robin over 
 - `no shrink`: each LoRA layer gets a scratch h instead of launching the shrink kernel (the GEMV
   still adds B h): the gap to `lora` is what the shrink kernels cost;
 - `no delta`: the shrink kernels run but the GEMVs get no LoRA input: the gap to `lora` is what
-  adding B h inside the GEMVs costs.
-The last two compute wrong tokens; they exist to be timed. Prints ms per graph step (the best of
+  adding B h inside the GEMVs costs;
+- `no qkv/o shrink`: scratch h for the QKV and O projections only, and `... nor qkv delta`: the
+  QKV projection adds no delta either. The bound of moving those two shrinks off the chain (the
+  q/k/v delta added by the attention kernel, which reads q, k, v anyway; the O shrink in its
+  merge), which is what the shrinks next to attention could save at best.
+The last four compute wrong tokens; they exist to be timed. Prints ms per graph step (the best of
 3 rounds, in turn) and the ratio to `base`. Meant for the GEMV path (batches up to the shape's
 GEMV row limit, layers/linear.py); above it the cuBLAS path's expand kernel is not taken out.
 """
@@ -21,14 +25,16 @@ from dataclasses import replace
 import torch
 
 import nanograph.layers.linear as linear
-from bench import BENCH_SHAPES, decode_step, time_forward, write_lora_adapters, write_model_dir
+from bench import BENCH_SHAPES, SHAPES, decode_step, time_forward, write_lora_adapters, write_model_dir
 from nanograph import LLM
+from nanograph.layers.linear import QKVParallelLinear, RowParallelLinear
 from nanograph.layers.lora import load_adapter, lora_inputs
 from nanograph.lora import read_adapter
 from nanograph.utils.context import get_step_metadata
 
 NUM_ADAPTERS, CONTEXT, BLOCK_SIZE = 4, 512, 256
 scratch: dict = {}
+INTERMEDIATE = [0]  # the MLP's width on the shape being measured (set in main)
 
 
 def without_shrink(x, layer):
@@ -47,6 +53,20 @@ def without_shrink(x, layer):
 def without_delta(x, layer):
     lora_inputs(x, layer)  # the shrink kernel runs; the GEMV does not read its h
     return None
+
+
+def next_to_attention(layer) -> bool:
+    """The QKV or the O projection (O: the row-parallel layer whose input is not the MLP's)."""
+    return isinstance(layer, QKVParallelLinear) or (isinstance(layer, RowParallelLinear)
+                                                    and layer.weight.shape[1] != INTERMEDIATE[0])
+
+
+def without_attention_shrinks(x, layer):
+    return (without_shrink if next_to_attention(layer) else lora_inputs)(x, layer)
+
+
+def without_attention_shrinks_or_qkv_delta(x, layer):
+    return None if isinstance(layer, QKVParallelLinear) else without_attention_shrinks(x, layer)
 
 
 def build(model_dir: str, batches: list[int], rank: int, adapters: list, inputs=None):
@@ -69,13 +89,17 @@ if __name__ == "__main__":
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--batches", type=lambda s: [int(b) for b in s.split(",")], default=[1, 2, 4])
     args = parser.parse_args()
+    INTERMEDIATE[0] = SHAPES[args.shape]["intermediate_size"]
     with tempfile.TemporaryDirectory() as root:
         model_dir = write_model_dir(args.shape, root)
         adapters = write_lora_adapters(model_dir, NUM_ADAPTERS, args.rank, "bfloat16", root)
         runners = {"base": build(model_dir, args.batches, args.rank, []),
                    "lora": build(model_dir, args.batches, args.rank, adapters),
                    "no shrink": build(model_dir, args.batches, args.rank, adapters, without_shrink),
-                   "no delta": build(model_dir, args.batches, args.rank, adapters, without_delta)}
+                   "no delta": build(model_dir, args.batches, args.rank, adapters, without_delta),
+                   "no qkv/o shrink": build(model_dir, args.batches, args.rank, adapters, without_attention_shrinks),
+                   "... nor qkv delta": build(model_dir, args.batches, args.rank, adapters,
+                                              without_attention_shrinks_or_qkv_delta)}
     best = {}
     for _ in range(3):  # in turn, so that a drift of the clocks hits every engine alike
         for bs in args.batches:
@@ -85,7 +109,7 @@ if __name__ == "__main__":
                 ms = time_forward(runner, step if name == "base" else lora_step, "cuda", 30) * 1e3
                 best[name, bs] = min(best.get((name, bs), float("inf")), ms)
     print(f"{args.shape}, rank {args.rank}, {torch.cuda.get_device_name()}: ms per graph step (context {CONTEXT})")
-    print(f"{'':10}" + "".join(f"{'batch ' + str(bs):>18}" for bs in args.batches))
+    print(f"{'':18}" + "".join(f"{'batch ' + str(bs):>18}" for bs in args.batches))
     for name in runners:
-        print(f"{name:10}" + "".join(f"{best[name, bs]:10.3f} {best[name, bs] / best['base', bs]:5.2f}x"
+        print(f"{name:18}" + "".join(f"{best[name, bs]:10.3f} {best[name, bs] / best['base', bs]:5.2f}x"
                                      for bs in args.batches))

@@ -26,7 +26,9 @@ latency even when its weights are already in flight):
 - `lora`: in a step with LoRA adapters each row adds its adapter's delta B h to its outputs.
   h = x A^T, a few numbers per row, comes from kernels/lora.py's shrink kernel, which applies the
   same deferred norm to its input; the B rows of each row's adapter are loaded before the wait,
-  like the weights. So a LoRA layer adds one kernel (the shrink), not four. With `silu_and_mul`
+  like the weights. So a LoRA layer adds one kernel (the shrink), not four. (The shrink as the
+  first programs of this kernel's own launch, the others polling a count of them, was no faster:
+  what costs is the dependency, not the launch; README, "Multi-LoRA".) With `silu_and_mul`
   the up rows get their delta too, before the activation. models/decoder.py uses that pair at one
   row only: there a LoRA step is 3-8% faster than with the activation as a kernel of its own; at
   2 rows it is as fast (Qwen3-0.6B shape) or 3% slower (Llama-3.2-1B), at 4 rows 18% slower
