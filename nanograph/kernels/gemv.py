@@ -5,17 +5,17 @@ is a memory copy with a dot product attached, and its time is the weight bytes o
 bandwidth plus the start-up latency. cuBLAS handles these shapes well, but a cuBLAS kernel
 cannot join the programmatic-dependent-launch chain (pdl.py), so each one starts cold.
 
-This kernel is written for that chain. Each program owns BLOCK_N output features and holds
-their full weight rows [BLOCK_N, K] in registers: it loads them *before* waiting for the
-previous kernel, so the weight transfer overlaps whatever runs before (attention, the previous
-GEMV's tail). After the wait it reads the few input rows (a few KB, from L2) and reduces. The
-grid (N / BLOCK_N programs) is small enough that most programs are resident at once, so most of
-the matrix is in flight before the inputs are even ready. (The programs that start only once
-others finish, e.g. a third of [gate | up]'s on the 0.6B shape, could have their rows prefetched
-into L2 before the wait by the first ones: measured, batch 1 got slower, 0.704-0.716 ms against
-0.694 on the Qwen3-0.6B shape and 1.031 against 0.990 on Llama-3.2-1B, batch 3-4 1-2% faster;
-not kept.) The rows loop is unrolled (ROWS, a power of two >= M, is a constexpr) so their loads
-issue together.
+This kernel is written for that chain. Each program owns BLOCK_N output features and holds their
+full weight rows [BLOCK_N, K] in registers: it loads them *before* waiting for the previous
+kernel, so the weight transfer overlaps whatever runs before (attention, the previous GEMV's
+tail). After the wait it reads the few input rows (a few KB, from L2) and reduces. The grid (N /
+BLOCK_N programs) is small enough that most programs are resident at once, so most of the matrix
+is in flight before the inputs are even ready. (The programs that start only once others finish,
+by their register count a third of [gate | up]'s on the 0.6B shape, could have their rows
+prefetched into L2 before the wait by the first ones: measured, batch 1 got slower, 0.704-0.716
+ms against 0.694 on the Qwen3-0.6B shape and 1.031 against 0.990 on Llama-3.2-1B, batch 3-4 1-2%
+faster; not kept.) The rows loop is unrolled (ROWS, a power of two >= M, is a constexpr) so
+their loads issue together.
 
 Each output row is computed by the same program in the same order whatever the batch size:
 the result for a token does not depend on how many rows the graph bucket was padded to.
