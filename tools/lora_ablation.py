@@ -11,9 +11,9 @@ graphs for exactly the batches and 4 random adapters of --rank round-robin over 
 - `no delta`: the shrink kernels run but the GEMVs get no LoRA input: the gap to `lora` is what
   adding B h inside the GEMVs costs;
 - `no qkv/o shrink`: scratch h for the QKV and O projections only, and `... nor qkv delta`: the
-  QKV projection adds no delta either. The bound of moving those two shrinks off the chain (the
-  q/k/v delta added by the attention kernel, which reads q, k, v anyway; the O shrink in its
-  merge), which is what the shrinks next to attention could save at best.
+  QKV projection adds no delta either: what the shrinks next to attention could save at best.
+  (Both ways of getting there that were tried, the O shrink in attention's merge and the q/k/v
+  delta inside the attention kernel, measured no faster than `lora`: README, "Multi-LoRA".)
 The last four compute wrong tokens; they exist to be timed. Prints ms per graph step (the best of
 3 rounds, in turn) and the ratio to `base`. Meant for the GEMV path (batches up to the shape's
 GEMV row limit, layers/linear.py); above it the cuBLAS path's expand kernel is not taken out.
@@ -34,7 +34,7 @@ from nanograph.utils.context import get_step_metadata
 
 NUM_ADAPTERS, CONTEXT, BLOCK_SIZE = 4, 512, 256
 scratch: dict = {}
-INTERMEDIATE = [0]  # the MLP's width on the shape being measured (set in main)
+INTERMEDIATE = 0  # the MLP's width on the shape being measured (set in main)
 
 
 def without_shrink(x, layer):
@@ -58,7 +58,7 @@ def without_delta(x, layer):
 def next_to_attention(layer) -> bool:
     """The QKV or the O projection (O: the row-parallel layer whose input is not the MLP's)."""
     return isinstance(layer, QKVParallelLinear) or (isinstance(layer, RowParallelLinear)
-                                                    and layer.weight.shape[1] != INTERMEDIATE[0])
+                                                    and layer.weight.shape[1] != INTERMEDIATE)
 
 
 def without_attention_shrinks(x, layer):
@@ -89,7 +89,7 @@ if __name__ == "__main__":
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--batches", type=lambda s: [int(b) for b in s.split(",")], default=[1, 2, 4])
     args = parser.parse_args()
-    INTERMEDIATE[0] = SHAPES[args.shape]["intermediate_size"]
+    INTERMEDIATE = SHAPES[args.shape]["intermediate_size"]
     with tempfile.TemporaryDirectory() as root:
         model_dir = write_model_dir(args.shape, root)
         adapters = write_lora_adapters(model_dir, NUM_ADAPTERS, args.rank, "bfloat16", root)
