@@ -511,7 +511,9 @@ def test_rotate_and_store_interpreter(dtype, qk_norm):
 @pytest.mark.parametrize("group,head_dim", [(1, 64), (4, 48)])
 @pytest.mark.parametrize("qk_norm", [False, True])
 @pytest.mark.parametrize("lens", [[0, 1, 17, 40], [0, 1, 17, 40, 33]])  # fused kernel, rotate + split kernel
-def test_decode_interpreter(dtype, group, head_dim, qk_norm, lens):
+def test_decode_interpreter(dtype, group, head_dim, qk_norm, lens, monkeypatch):
+    import triton.language as tl
+    monkeypatch.setattr(kernels()[1], "MERGE_SPLITS", tl.constexpr(2))  # 3 working splits: the merge takes 2 loads
     check_decode("cpu", dtype, 16, group, head_dim, lens, qk_norm=qk_norm)
 
 

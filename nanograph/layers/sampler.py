@@ -43,8 +43,7 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
 
 
 @cuda_compiled
-def race(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, lengths: torch.Tensor,
-         ) -> torch.Tensor:
+def race(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """logits [B, V]; per row its temperature (0 = greedy), seed and length (the index of the token
     being sampled) -> token ids [B]."""
     key = mix32(mix32(seeds.long() & MASK32) ^ lengths.long())[:, None]  # one stream per (seed, index)
