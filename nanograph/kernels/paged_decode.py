@@ -67,10 +67,14 @@ CUDA graphs. The kernel is captured once and replayed with other context
 lengths, so everything that shapes the launch (grid, scratch buffers) is
 computed from static shapes: B, max_blocks, block_size and the SM count, never
 from ``context_lens``. The data-dependent part happens on the GPU: a split whose
-first tile is past the sequence's end returns immediately (fewer tiles than
-splits), and the merge only reads the ``ceil(num_tiles / tiles_per_split)``
-splits that did work. A padded row (context_len 0) has no working splits and
-reads no K/V; its split 0 writes a zero output.
+first tile is past the sequence's end returns right after its PDL wait (fewer
+tiles than splits), and the merge only reads the ``ceil(num_tiles /
+tiles_per_split)`` splits that did work. A padded row (context_len 0) has no
+working splits and reads no K/V; its split 0 writes a zero output. (At batch 1
+and context 512, 25 of the 33 splits per KV head are idle and hold their
+registers until the QKV GEMV completes. Letting them return without waiting,
+which the working splits' waits allow, measured no faster: Qwen3-0.6B batch 1-4
+0.689 / 0.865 / 1.241 / 1.293 ms against 0.690 / 0.862 / 1.242 / 1.293, H100.)
 """
 
 import functools
