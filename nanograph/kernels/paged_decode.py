@@ -74,7 +74,12 @@ working splits and reads no K/V; its split 0 writes a zero output. (At batch 1
 and context 512, 25 of the 33 splits per KV head are idle and hold their
 registers until the QKV GEMV completes. Letting them return without waiting,
 which the working splits' waits allow, measured no faster: Qwen3-0.6B batch 1-4
-0.689 / 0.865 / 1.241 / 1.293 ms against 0.690 / 0.862 / 1.242 / 1.293, H100.)
+0.689 / 0.865 / 1.241 / 1.293 ms against 0.690 / 0.862 / 1.242 / 1.293, H100. Having
+them, after the wait, ask L2 for the layer's MLP weights (prefetch.global.L2, a
+share each), so that DRAM works during attention's dependent chain, made batch 1
+much slower: 0.847 ms against 0.687 (batch 4: 1.287 against 1.294); presumably
+because the kernel, whose end the O projection waits for, now ends after them.
+Not profiled.)
 """
 
 import functools
