@@ -49,12 +49,11 @@ from nanograph.lora import Adapter, LoRARequest, read_adapter
 from nanograph.sampling_params import SamplingParams
 
 
-class LLM:
+class LLM(contextlib.AbstractContextManager):  # `with LLM(...) as llm:` closes it at the end
     def __init__(self, model: str, **kwargs):
         self.config = config = Config(model, **kwargs)
         if dist.is_initialized():  # the layers shard over the default group (layers/linear.py): one at a time
-            raise RuntimeError("a torch.distributed process group is already initialised in this process "
-                               "(close the other LLM first)")
+            raise RuntimeError("a torch.distributed process group is already open here: close the other LLM first")
         self.tokenizer = None
         if any(os.path.exists(os.path.join(config.model_dir, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
             self.tokenizer = AutoTokenizer.from_pretrained(config.model_dir)
@@ -80,9 +79,6 @@ class LLM:
         collection: the next LLM sizes its KV cache from the memory it finds free."""
         self.runner.close()
 
-    def __enter__(self):
-        return self
-
     def __exit__(self, *exc):
         self.close()
 
@@ -106,8 +102,7 @@ class LLM:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"request {i}: sampling params must be a SamplingParams, got {type(params).__name__}")
         if any(t >= vocab for t in params.stop_token_ids or ()):
-            raise ValueError(f"request {i}: stop_token_ids {params.stop_token_ids} reach outside the vocabulary "
-                             f"[0, {vocab})")
+            raise ValueError(f"request {i}: stop_token_ids {params.stop_token_ids} outside the vocabulary [0, {vocab})")
         longest = min(len(prompt) + params.max_tokens, cfg.max_model_len)
         blocks = -(-longest // cfg.kvcache_block_size)
         if blocks > self.runner.num_kv_blocks:
@@ -123,10 +118,8 @@ class LLM:
         if not isinstance(request, LoRARequest):
             raise ValueError(f"request {i}: lora_request must be a LoRARequest, got {type(request).__name__}")
         if request not in self.adapters:  # checked once per adapter, read from disk when it gets a slot
-            try:
-                self.adapters[request] = read_adapter(request, self.config.hf_config, self.config.max_lora_rank)
-            except ValueError as e:
-                raise ValueError(f"request {i}: {e}") from None
+            self.adapters[request] = read_adapter(request, self.config.hf_config, self.config.max_lora_rank,
+                                                  f"request {i}: ")
         return self.adapters[request]
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,

@@ -49,11 +49,11 @@ def module_shapes(hf) -> dict[str, tuple[int, int]]:
             "gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}
 
 
-def read_adapter(request: LoRARequest, hf, max_rank: int) -> Adapter:
+def read_adapter(request: LoRARequest, hf, max_rank: int, where: str = "") -> Adapter:
     """Check a PEFT adapter directory against the model (config and tensor shapes); ValueError if
-    anything is wrong, naming the adapter."""
+    anything is wrong, naming the adapter (after `where`, e.g. the request)."""
     def fail(why: str):
-        raise ValueError(f"LoRA adapter {request.name!r} ({request.path}): {why}")
+        raise ValueError(f"{where}LoRA adapter {request.name!r} ({request.path}): {why}")
     files = [os.path.join(request.path, f) for f in ("adapter_config.json", "adapter_model.safetensors")]
     for file in files:
         if not os.path.isfile(file):

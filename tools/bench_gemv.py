@@ -12,7 +12,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from nanograph.kernels import gemv as gemv_module, pdl
+from nanograph.kernels import gemv as gemv_module
 from nanograph.kernels.gemv import gemv
 from nanograph.layers.norm import add_rms_norm
 from nanograph.layers.norm import rms_norm as torch_rms_norm
@@ -89,7 +89,8 @@ if __name__ == "__main__":
         configs += [(False, *default)]
         for use_pdl, tile, warps in configs:
             gemv_module.TARGET_TILE, gemv_module.NUM_WARPS = tile, warps
-            pdl.pdl_supported = lambda device, on=use_pdl: on
+            options = dict(PDL=True, launch_pdl=True) if use_pdl else dict(PDL=False)
+            gemv_module.launch_options = lambda device, options=options: options
             ms, out = time_graph(lambda x: chain(x, weights, True), x)
             err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
             print(f"rows {rows:2d} gemv pdl={use_pdl} tile {tile:5d} warps {warps}: {ms:.3f} ms (rel err {err:.1e})")

@@ -93,8 +93,7 @@ class ModelRunner:
             dist.all_reduce(t, op=dist.ReduceOp.MIN)
             num_blocks = int(t.item())
         if num_blocks < 1:
-            raise ValueError("no memory left for the KV cache: lower max_num_batched_tokens or raise "
-                             "gpu_memory_utilization")
+            raise ValueError("no memory for the KV cache: lower max_num_batched_tokens or raise gpu_memory_utilization")
         self.bind_kv_cache(num_blocks)
         return num_blocks
 

@@ -113,8 +113,7 @@ def receive_step(group) -> StepInput | None:
 
 def worker_main(config: Config, rank: int, port: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the parent, which then shuts us down
-    parent = mp.parent_process()
-    threading.Thread(target=lambda: (parent.join(), os._exit(1)), daemon=True).start()  # orphaned: exit
+    threading.Thread(target=lambda: (mp.parent_process().join(), os._exit(1)), daemon=True).start()  # orphaned: exit
     store = dist.TCPStore("127.0.0.1", port, config.tensor_parallel_size, is_master=False, timeout=STEP_TIMEOUT)
     store.add("workers_connected", 1)
     init_distributed(config, rank, store)

@@ -99,8 +99,6 @@ def rotate_and_store(q, k, v, positions, cos, sin, q_weight, k_weight, eps: floa
     assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1 and cos.stride(-1) == 1
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and head_dim % 2 == 0
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    if num_tokens == 0:
-        return q_out
     has_norm = q_weight is not None
     _rotate_and_store_kernel[(num_tokens,)](
         q, k, v, positions, cos, sin, q_weight if has_norm else cos, k_weight if has_norm else cos, eps,

@@ -98,9 +98,6 @@ def paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, blo
     # Keep the K and V tiles of one step within ~32 KB each, even at head_dim 256.
     block_n = min(block_size, 64 if d_pad <= 128 else 32)
     out = torch.empty(num_tokens, num_q_heads, head_dim, dtype=q.dtype, device=q.device)
-    if num_tokens == 0:
-        return out
-
     grid = (triton.cdiv(max_seqlen_q, block_m), num_seqs, num_q_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, cu_seqlens_q, context_lens, block_tables, scale,

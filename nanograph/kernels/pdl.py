@@ -27,13 +27,10 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @functools.lru_cache
-def pdl_supported(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
-
-
 def launch_options(device: torch.device) -> dict:
     """Keyword arguments for a kernel launch: the PDL constexpr and, on sm_90+, launch_pdl."""
-    return dict(PDL=True, launch_pdl=True) if pdl_supported(device) else dict(PDL=False)
+    pdl = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    return dict(PDL=True, launch_pdl=True) if pdl else dict(PDL=False)
 
 
 @triton.jit
