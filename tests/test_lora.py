@@ -75,6 +75,41 @@ def test_prefix_cache_is_keyed_by_adapter(tiny_model, adapters):
     assert hits == [0, 0, 0, 48]  # nothing shared across adapters; the second qv8 call reuses 3 blocks
 
 
+def test_fold_gives_the_consumers_h_before_its_norm(tiny_model, adapters):
+    """layers/lora.py's fold: a producer's folded parts times [its input | the residual stream],
+    scaled by the consumer's norm's 1 / rms, equal the consumer's own shrink of
+    norm(the producer's output, its LoRA delta included, + residual), for every fold of the
+    model (o -> gate/up, down -> the next layer's q/k/v), on random inputs."""
+    from nanograph.layers.lora import load_adapter
+    from nanograph.layers.norm import rms_norm
+    from nanograph.lora import read_adapter
+    from nanograph.utils.context import StepMetadata, set_step_metadata
+
+    path, request = tiny_model("qwen3"), adapters("qwen3")["all16"]
+    llm = LLM(path, kvcache_block_size=16, enable_lora=True, max_loras=2, max_lora_rank=16)
+    model, gen, rows, rank = llm.runner.model, torch.Generator().manual_seed(5), 3, 16
+    load_adapter(model, 1, read_adapter(request, llm.config.hf_config, 16))
+    folds = model.lora_folds()
+    assert len(folds) == 2 * len(model.model.layers) - 1
+    empty = torch.zeros(0, dtype=torch.int32)
+    set_step_metadata(StepMetadata(True, empty, empty, empty, lora_rank=rank,
+                                   lora_slots=torch.ones(rows, dtype=torch.int32)))
+    try:
+        for producer, consumer, norm in folds:
+            x = torch.randn(rows, producer.weight.shape[1], generator=gen)
+            residual = torch.randn(rows, producer.weight.shape[0], generator=gen)
+            y = producer(x)  # the torch path: x W^T + its own delta, from the first part of its buffers
+            assert not torch.allclose(y, x @ producer.weight.T)  # the producer's own delta is there
+            v = y + residual
+            want = torch.einsum("tk,prk->tpr", rms_norm(v, norm.weight, norm.eps), consumer.lora_a[1, :, :rank])
+            rstd = torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + norm.eps)
+            got = torch.einsum("tk,prk->tpr", torch.cat([x, residual], 1), producer.lora_a[1, 1:, :rank])
+            assert want.abs().max() > 0.1
+            torch.testing.assert_close(got * rstd[:, :, None], want, rtol=1e-4, atol=1e-5)
+    finally:
+        set_step_metadata(None)
+
+
 def damaged_adapter(request: LoRARequest, tmp_path, config=None, tensors=None) -> LoRARequest:
     path = tmp_path / "damaged"
     shutil.copytree(request.path, path)

@@ -88,10 +88,14 @@ def assert_close_delta(out, ref, y, slots, dtype):
 
 
 def check_gemv_lora(device, dtype, num_rows, k, part_sizes, deferred, rank=8, max_rank=16):
-    """The GEMV path: shrink then the GEMV that adds the delta itself, both computing the deferred
-    input (None, or "norm": rms_norm(x + residual)), against F.linear plus the oracle's delta on
-    that input; with two equal parts ([gate | up]) the GEMV also applies the MLP's activation
-    to the sum, as in the model. Slot -1 rows must get exactly the GEMV's product without LoRA."""
+    """The GEMV path: a shrink, then the GEMV that adds the delta itself, against F.linear plus the
+    oracle's delta on the GEMV's input (x, or with deferred="norm" rms_norm(x + residual)); with two
+    equal parts ([gate | up]) the GEMV also applies the MLP's activation to the sum, as in the
+    model. The deferred norm's h comes as in the engine, from a fold (layers/lora.py): x is the
+    output p W_p^T of a producer with input p, and the producer's shrink multiplies [p | residual]
+    by its folded parts (A diag(norm weight)) [W_p | I]; the GEMV takes those parts (a strided view
+    past the producer's own) and applies the norm's 1 / rms. Slot -1 rows must get exactly the
+    GEMV's product without LoRA."""
     pytest.importorskip("triton")
     from nanograph.kernels.gemv import gemv
     from nanograph.kernels.lora import lora_shrink
@@ -103,8 +107,16 @@ def check_gemv_lora(device, dtype, num_rows, k, part_sizes, deferred, rank=8, ma
     n, starts = sum(part_sizes), starts_of(part_sizes)
     w = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype)
     norm = deferred == "norm"
-    residual = torch.randn(num_rows, k, generator=gen).to(dtype) if norm else None
-    norm_w = (1 + 0.1 * torch.randn(k, generator=gen)).to(dtype) if norm else None
+    if norm:
+        k_p = k + 8  # the producer's input width
+        producer_in = torch.randn(num_rows, k_p, generator=gen).to(dtype)
+        w_p = (torch.randn(k, k_p, generator=gen) / k_p**0.5).to(dtype)
+        x = (producer_in.float() @ w_p.float().T).to(dtype)
+        residual = torch.randn(num_rows, k, generator=gen).to(dtype)
+        norm_w = (1 + 0.1 * torch.randn(k, generator=gen)).to(dtype)
+        folded = lora_a.float() * norm_w.float()  # [slots, parts, R, k]
+        fold_a = torch.zeros(4, 1 + len(part_sizes), max_rank, k_p + k)  # part 0: the producer's own (none here)
+        fold_a[:, 1:] = torch.cat([folded @ w_p.float(), folded], -1)
     x_in = rms_norm(x + residual, norm_w, 1e-6) if norm else x
     product = torch.nn.functional.linear(x_in.float(), w.float())
     ref = reference(x_in.float(), product, lora_a.float(), lora_b.float(), slots, starts, rank)
@@ -113,9 +125,13 @@ def check_gemv_lora(device, dtype, num_rows, k, part_sizes, deferred, rank=8, ma
         ref, product = (silu_and_mul(t.to(dtype)).float() for t in (ref, product))
 
     to = lambda t: None if t is None else t.to(device)
-    r_out = None if residual is None else torch.empty(num_rows, k, dtype=dtype, device=device)
-    args = (to(x), to(w), None, gate_up, to(norm_w), 1e-6, to(residual), r_out)
-    h = lora_shrink(to(x), to(lora_a), to(slots), rank, to(norm_w), 1e-6, to(residual))
+    if norm:
+        r_out = torch.empty(num_rows, k, dtype=dtype, device=device)
+        args = (to(x), to(w), None, gate_up, to(norm_w), 1e-6, to(residual), r_out)
+        h = lora_shrink(to(producer_in), to(fold_a.to(dtype)), to(slots), rank, to(residual))[:, 1:]
+    else:
+        args = (to(x), to(w), None, gate_up)
+        h = lora_shrink(to(x), to(lora_a), to(slots), rank)
     out = gemv(*args, lora=(h, to(lora_b), to(slots), starts)).cpu()
     base = gemv(*args).cpu()
     none = slots < 0

@@ -5,16 +5,13 @@
 On one bench shape (bench.py --shape; dummy bf16 weights), engines alive side by side, each with
 graphs for exactly the batches and 4 random adapters of --rank round-robin over the rows:
 - `base`: no LoRA at all;
-- `lora`: what nanograph runs;
-- `no shrink`: each LoRA layer gets a scratch h instead of launching the shrink kernel (the GEMV
-  still adds B h): the gap to `lora` is what the shrink kernels cost;
+- `lora`: what nanograph runs (on the GEMV path: two shrink kernels per layer, each also making
+  the next projection's folded h, layers/lora.py);
+- `no shrink`: every LoRA layer gets a scratch h instead of launching a shrink kernel (the norms
+  stay deferred, the GEMVs still add B h): the gap to `lora` is what the shrink kernels cost;
 - `no delta`: the shrink kernels run but the GEMVs get no LoRA input: the gap to `lora` is what
-  adding B h inside the GEMVs costs;
-- `no qkv/o shrink`: scratch h for the QKV and O projections only, and `... nor qkv delta`: the
-  QKV projection adds no delta either: what the shrinks next to attention could save at best.
-  (Both ways of getting there that were tried, the O shrink in attention's merge and the q/k/v
-  delta inside the attention kernel, measured no faster than `lora`: README, "Multi-LoRA".)
-The last four compute wrong tokens; they exist to be timed. Prints ms per graph step (the best of
+  adding B h inside the GEMVs costs.
+The last two compute wrong tokens; they exist to be timed. Prints ms per graph step (the best of
 3 rounds, in turn) and the ratio to `base`. Meant for the GEMV path (batches up to the shape's
 GEMV row limit, layers/linear.py); above it the cuBLAS path's expand kernel is not taken out.
 """
@@ -25,48 +22,35 @@ from dataclasses import replace
 import torch
 
 import nanograph.layers.linear as linear
-from bench import BENCH_SHAPES, SHAPES, decode_step, time_forward, write_lora_adapters, write_model_dir
+from bench import BENCH_SHAPES, decode_step, time_forward, write_lora_adapters, write_model_dir
 from nanograph import LLM
-from nanograph.layers.linear import QKVParallelLinear, RowParallelLinear
 from nanograph.layers.lora import load_adapter, lora_inputs
 from nanograph.lora import read_adapter
 from nanograph.utils.context import get_step_metadata
 
 NUM_ADAPTERS, CONTEXT, BLOCK_SIZE = 4, 512, 256
 scratch: dict = {}
-INTERMEDIATE = 0  # the MLP's width on the shape being measured (set in main)
 
 
-def without_shrink(x, layer):
-    """lora_inputs with a scratch h: made in the warm-up forward before each capture, so the
-    captured graph holds no kernel for it."""
+def without_shrink(x, layer, residual=None):
+    """lora_inputs with a scratch h (a producer's also stands for its fold, so the next norm stays
+    deferred): made in the warm-up forward before each capture, so the captured graph holds no
+    kernel for it."""
     if getattr(layer, "lora_a", None) is None or get_step_metadata().lora_rank == 0:
         return None
-    md = get_step_metadata()
+    md, own = get_step_metadata(), len(layer.part_starts)
     rows = (x if isinstance(x, torch.Tensor) else x.x).shape[0]
     key = (id(layer), rows, md.lora_rank)
     if key not in scratch:
         scratch[key] = torch.zeros(rows, layer.lora_a.shape[1], md.lora_rank, device=layer.lora_a.device)
-    return scratch[key], layer.lora_b, md.lora_slots, layer.part_starts
+    if residual is not None and layer.lora_a.shape[1] > own:
+        md.lora_fold = scratch[key][:, own:]
+    return scratch[key][:, :own], layer.lora_b, md.lora_slots, layer.part_starts
 
 
-def without_delta(x, layer):
-    lora_inputs(x, layer)  # the shrink kernel runs; the GEMV does not read its h
+def without_delta(x, layer, residual=None):
+    lora_inputs(x, layer, residual)  # the shrink kernel runs (and makes its fold); the GEMV does not read its h
     return None
-
-
-def next_to_attention(layer) -> bool:
-    """The QKV or the O projection (O: the row-parallel layer whose input is not the MLP's)."""
-    return isinstance(layer, QKVParallelLinear) or (isinstance(layer, RowParallelLinear)
-                                                    and layer.weight.shape[1] != INTERMEDIATE)
-
-
-def without_attention_shrinks(x, layer):
-    return (without_shrink if next_to_attention(layer) else lora_inputs)(x, layer)
-
-
-def without_attention_shrinks_or_qkv_delta(x, layer):
-    return None if isinstance(layer, QKVParallelLinear) else without_attention_shrinks(x, layer)
 
 
 def build(model_dir: str, batches: list[int], rank: int, adapters: list, inputs=None):
@@ -89,17 +73,13 @@ if __name__ == "__main__":
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--batches", type=lambda s: [int(b) for b in s.split(",")], default=[1, 2, 4])
     args = parser.parse_args()
-    INTERMEDIATE = SHAPES[args.shape]["intermediate_size"]
     with tempfile.TemporaryDirectory() as root:
         model_dir = write_model_dir(args.shape, root)
         adapters = write_lora_adapters(model_dir, NUM_ADAPTERS, args.rank, "bfloat16", root)
         runners = {"base": build(model_dir, args.batches, args.rank, []),
                    "lora": build(model_dir, args.batches, args.rank, adapters),
                    "no shrink": build(model_dir, args.batches, args.rank, adapters, without_shrink),
-                   "no delta": build(model_dir, args.batches, args.rank, adapters, without_delta),
-                   "no qkv/o shrink": build(model_dir, args.batches, args.rank, adapters, without_attention_shrinks),
-                   "... nor qkv delta": build(model_dir, args.batches, args.rank, adapters,
-                                              without_attention_shrinks_or_qkv_delta)}
+                   "no delta": build(model_dir, args.batches, args.rank, adapters, without_delta)}
     best = {}
     for _ in range(3):  # in turn, so that a drift of the clocks hits every engine alike
         for bs in args.batches:

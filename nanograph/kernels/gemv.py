@@ -25,19 +25,23 @@ latency even when its weights are already in flight):
 - `norm`: the input is `rms_norm(x + residual)` (layers/norm.py's DeferredNorm). Each program
   has the whole input row anyway (BLOCK_K >= K), so it adds, normalises and scales it itself;
   program 0 also writes x + residual, the residual stream for later layers.
-- `silu_and_mul`: for the MLP's fused [gate | up] weight, a program loads gate rows r and up
-  rows N + r together and writes silu(gate) * up directly.
-- `lora`: in a step with LoRA adapters each row adds its adapter's delta B h to its outputs.
-  h = x A^T, a few numbers per row, comes from kernels/lora.py's shrink kernel, which applies the
-  same deferred norm to its input; the B rows of each row's adapter are loaded before the wait,
-  like the weights. So a LoRA layer adds one kernel (the shrink), not four. (The shrink as the
-  first programs of this kernel's own launch, the others polling a count of them, was no faster:
-  what costs is the dependency, not the launch; README, "Multi-LoRA".) With `silu_and_mul`
-  the up rows get their delta too, before the activation. models/decoder.py uses that pair at one
-  row only: there a LoRA step is 3-8% faster than with the activation as a kernel of its own; at
-  2 rows it is as fast (Qwen3-0.6B shape) or 3% slower (Llama-3.2-1B), at 4 rows 18% slower
-  (0.6B), with this tile or half of it (which keeps the registers at the plain GEMV's 128: not
-  only their count, then). Rank 16, H100.
+- `silu_and_mul`: for the MLP's fused [gate | up] weight, a program holds the gate row o and
+  the up row N + o of each of its outputs side by side in one tile, so every row of it is
+  reduced (and gets its LoRA delta) the same way, and writes silu(gate) * up directly.
+- `lora`: in a step with LoRA adapters each row adds its adapter's delta B h to its outputs;
+  the B rows of each row's adapter are loaded before the wait, like the weights. h, a few
+  numbers per row, comes from kernels/lora.py's shrink kernel. Behind a deferred norm it is a
+  fold's (layers/lora.py): made by the shrink of the layer before, from that layer's input and
+  the residual stream, and missing only the norm's 1 / rms, which this kernel computes anyway
+  and applies. So of a layer's four projections only O and down launch a shrink, and the norms
+  stay deferred. (A shrink as the first programs of this kernel's own launch, the others
+  polling a count of them, was no faster: what costs is the dependency, not the launch;
+  README, "Multi-LoRA".) With `silu_and_mul` the up rows get their delta too, before the
+  activation. models/decoder.py uses that pair at one row only: there a LoRA step was 3-8%
+  faster than with the activation as a kernel of its own; at 2 rows as fast (Qwen3-0.6B shape)
+  or 3% slower (Llama-3.2-1B), at 4 rows 18% slower (0.6B), with this tile or half of it (which
+  keeps the registers at the plain GEMV's 128: not only their count, then). Rank 16, H100,
+  measured before the fold and before gate and up shared a tile.
 All round like the torch path (layers/norm.py, models/decoder.py) at every step.
 """
 import torch
@@ -50,13 +54,6 @@ TARGET_TILE, NUM_WARPS = 8192, 4  # weight elements per program (BLOCK_N * padde
 
 
 @triton.jit
-def rms_normed(x, norm_w, eps, K):
-    """A whole row x (in x's dtype) normalised and scaled by norm_w, rounded like layers/norm.py."""
-    f = x.to(tl.float32)
-    return norm_w * (f * tl.rsqrt(tl.sum(f * f, 0) / K + eps)).to(x.dtype)
-
-
-@triton.jit
 def lora_b_tile(b_ptr, slot, w_rows, num_w_rows, stride_bs, stride_bn, RANK: tl.constexpr, RANK_PAD: tl.constexpr):
     """Rows w_rows of the B of adapter slot `slot`, its first RANK columns: [len(w_rows), RANK_PAD],
     all zeros for slot -1 (nothing is read)."""
@@ -66,11 +63,10 @@ def lora_b_tile(b_ptr, slot, w_rows, num_w_rows, stride_bs, stride_bn, RANK: tl.
 
 
 @triton.jit
-def lora_h_tile(h_ptr, row, slot, w_rows, PART_STARTS: tl.constexpr, RANK: tl.constexpr, RANK_PAD: tl.constexpr):
-    """Row `row`'s shrunk input h[row] [parts, RANK] (h: [rows, parts, RANK], float32) as a
-    [len(w_rows), RANK_PAD] tile that matches lora_b_tile's: each weight row gets the h of the
-    part it belongs to (parts start at PART_STARTS). Zeros for slot -1 (nothing is read)."""
-    h_ptr += row * len(PART_STARTS) * RANK
+def lora_h_tile(h_ptr, slot, w_rows, PART_STARTS: tl.constexpr, RANK: tl.constexpr, RANK_PAD: tl.constexpr):
+    """A row's shrunk input [parts, RANK] at h_ptr (float32) as a [len(w_rows), RANK_PAD] tile
+    that matches lora_b_tile's: each weight row gets the h of the part it belongs to (parts start
+    at PART_STARTS). Zeros for slot -1 (nothing is read)."""
     part = tl.zeros_like(w_rows)
     for i in tl.static_range(1, len(PART_STARTS)):
         part += (w_rows >= PART_STARTS[i]).to(w_rows.dtype)
@@ -81,27 +77,26 @@ def lora_h_tile(h_ptr, row, slot, w_rows, PART_STARTS: tl.constexpr, RANK: tl.co
 @triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, residual_ptr, norm_w_ptr, residual_out_ptr, eps,
-    h_ptr, b_ptr, slots_ptr, M, N, K, stride_xm, stride_wn, stride_om, stride_rm, stride_rom, stride_bs, stride_bn,
+    h_ptr, b_ptr, slots_ptr, M, N, K, stride_xm, stride_wn, stride_om, stride_rm, stride_rom, stride_ht, stride_bs,
+    stride_bn,
     HAS_BIAS: tl.constexpr, SILU_AND_MUL: tl.constexpr, NORM: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
     PART_STARTS: tl.constexpr, LORA_RANK: tl.constexpr, RANK_PAD: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    outs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    # the weight rows: with SILU_AND_MUL each output's gate row o and up row N + o, side by side
+    w_rows = tl.reshape(tl.join(outs, outs + N), [2 * BLOCK_N]) if SILU_AND_MUL else outs
+    num_w_rows = N * (2 if SILU_AND_MUL else 1)
     cols = tl.arange(0, BLOCK_K)
-    mask = (rows[:, None] < N) & (cols[None, :] < K)
-    w = tl.load(w_ptr + rows[:, None] * stride_wn + cols[None, :], mask=mask, other=0.0)
-    if SILU_AND_MUL:
-        w_up = tl.load(w_ptr + (rows[:, None] + N) * stride_wn + cols[None, :], mask=mask, other=0.0)
-        bias_up = tl.load(bias_ptr + N + rows, mask=rows < N * HAS_BIAS, other=0.0).to(tl.float32)
+    mask = (w_rows[:, None] < num_w_rows) & (cols[None, :] < K)
+    w = tl.load(w_ptr + w_rows[:, None] * stride_wn + cols[None, :], mask=mask, other=0.0)
     # (nothing is read without HAS_BIAS, NORM)
-    bias = tl.load(bias_ptr + rows, mask=rows < N * HAS_BIAS, other=0.0).to(tl.float32)
+    bias = tl.load(bias_ptr + w_rows, mask=w_rows < num_w_rows * HAS_BIAS, other=0.0).to(tl.float32)
     norm_w = tl.load(norm_w_ptr + cols, mask=cols < K * NORM, other=0.0)
-    slots, b, b_up = (), (), ()
+    slots, b = (), ()
     for m in tl.static_range(ROWS if LORA_RANK > 0 else 0):  # each row's adapter's B rows, also before the wait
         slots += (tl.load(slots_ptr + m, mask=M > m, other=-1),)
-        b += (lora_b_tile(b_ptr, slots[m], rows, N, stride_bs, stride_bn, LORA_RANK, RANK_PAD),)
-        if SILU_AND_MUL:
-            b_up += (lora_b_tile(b_ptr, slots[m], rows + N, 2 * N, stride_bs, stride_bn, LORA_RANK, RANK_PAD),)
+        b += (lora_b_tile(b_ptr, slots[m], w_rows, num_w_rows, stride_bs, stride_bn, LORA_RANK, RANK_PAD),)
     wait_for_previous_kernel(PDL)
 
     dtype = out_ptr.dtype.element_ty
@@ -109,25 +104,23 @@ def _gemv_kernel(
         in_row = cols < K * (M > m)  # rows M..ROWS-1 are padding: their masks are all false
         x = tl.load(x_ptr + m * stride_xm + cols, mask=in_row, other=0.0)
         if LORA_RANK > 0:  # the row's h [parts, LORA_RANK] (the shrink kernel's), loaded before any reduction waits
-            h = lora_h_tile(h_ptr, m, slots[m], rows, PART_STARTS, LORA_RANK, RANK_PAD)
-            if SILU_AND_MUL:
-                h_up = lora_h_tile(h_ptr, m, slots[m], rows + N, PART_STARTS, LORA_RANK, RANK_PAD)
+            h = lora_h_tile(h_ptr + m * stride_ht, slots[m], w_rows, PART_STARTS, LORA_RANK, RANK_PAD)
         if ADD_RESIDUAL:  # program 0 also writes x + residual, the residual stream of later layers
             x += tl.load(residual_ptr + m * stride_rm + cols, mask=in_row, other=0.0)
             tl.store(residual_out_ptr + m * stride_rom + cols, x, mask=cols < K * (M > m) * (tl.program_id(0) == 0))
-        if NORM:
-            x = rms_normed(x, norm_w, eps, K)
-        x = x.to(tl.float32)[None, :]
-        y = tl.sum(w.to(tl.float32) * x, 1) + bias
+        lora_scale = 1.0
+        if NORM:  # rounded like layers/norm.py
+            f = x.to(tl.float32)
+            lora_scale = tl.rsqrt(tl.sum(f * f, 0) / K + eps)  # a fold's h lacks the norm's 1 / rms (layers/lora.py)
+            x = norm_w * (f * lora_scale).to(x.dtype)
+        y = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], 1) + bias
         if LORA_RANK > 0:
-            y += tl.sum(b[m].to(tl.float32) * h, 1)
+            y += tl.sum(b[m].to(tl.float32) * h, 1) * lora_scale
         if SILU_AND_MUL:
-            up = tl.sum(w_up.to(tl.float32) * x, 1) + bias_up
-            if LORA_RANK > 0:
-                up += tl.sum(b_up[m].to(tl.float32) * h_up, 1)
-            gate = y.to(dtype).to(tl.float32)
+            gate, up = tl.split(tl.reshape(y, [BLOCK_N, 2]))
+            gate = gate.to(dtype).to(tl.float32)
             y = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up.to(dtype).to(tl.float32)
-        tl.store(out_ptr + m * stride_om + rows, y.to(dtype), mask=rows < N * (M > m))
+        tl.store(out_ptr + m * stride_om + outs, y.to(dtype), mask=outs < N * (M > m))
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, silu_and_mul: bool = False,
@@ -152,9 +145,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, weight if bias is None else bias, out, r, weight if norm_weight is None else norm_weight,
         r_out, eps, h, lora_b, slots, num_rows, n, k, x.stride(0), weight.stride(0), out.stride(0), r.stride(0),
-        r_out.stride(0), lora_b.stride(0), lora_b.stride(1), HAS_BIAS=bias is not None, SILU_AND_MUL=silu_and_mul,
-        NORM=norm_weight is not None, ADD_RESIDUAL=residual is not None, PART_STARTS=tuple(part_starts),
-        LORA_RANK=rank, RANK_PAD=triton.next_power_of_2(max(rank, 1)), ROWS=triton.next_power_of_2(num_rows),
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=NUM_WARPS, **launch_options(x.device),
+        r_out.stride(0), h.stride(0), lora_b.stride(0), lora_b.stride(1), HAS_BIAS=bias is not None,
+        SILU_AND_MUL=silu_and_mul, NORM=norm_weight is not None, ADD_RESIDUAL=residual is not None,
+        PART_STARTS=tuple(part_starts), LORA_RANK=rank, RANK_PAD=triton.next_power_of_2(max(rank, 1)),
+        ROWS=triton.next_power_of_2(num_rows), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=NUM_WARPS,
+        **launch_options(x.device),
     )
     return out

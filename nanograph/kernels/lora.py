@@ -14,9 +14,11 @@ thing both halves share, so they go through a small fp32 scratch [T, P, rank]: "
 rows x parts x rank blocks) computes them, "expand" (grid rows x output tiles) reads the h of the
 part that owns each output feature (a fused layer's outputs are its parts stacked: q|k|v,
 gate|up) and adds the delta to y in fp32, rounding once. Where the product itself is the
-GEMV of gemv.py (a few rows), the GEMV does the expand as it computes y (one kernel fewer), and
-the shrink applies the GEMV's deferred RMSNorm to its input the same way (one helper, same
-rounding), so the norm still never exists as a tensor. The rank is not a tensor dimension of
+GEMV of gemv.py (a few rows), the GEMV does the expand as it computes y (one kernel fewer).
+There the shrink of the O and down projections also computes a fold (layers/lora.py): parts
+after the layer's own whose A rows span [x | residual], K + RES_K columns, and give the h of the
+projection after the next norm (gate/up, the next layer's q/k/v) but for the norm's 1 / rms,
+which that GEMV applies; the A of the own parts is zero past K. The rank is not a tensor dimension of
 the launch but a constexpr: one compile per rank bucket (8, 16, 32, 64), and each bucket reads
 only the first `rank` columns of the R-padded weights, so a step of rank-8 adapters does not pay
 for `max_lora_rank` = 64. Columns between an adapter's own rank and the bucket are zeros, add 0.
@@ -39,39 +41,36 @@ import torch
 import triton
 import triton.language as tl
 
-from nanograph.kernels.gemv import lora_b_tile, lora_h_tile, rms_normed
+from nanograph.kernels.gemv import lora_b_tile, lora_h_tile
 from nanograph.kernels.pdl import launch_options, wait_for_previous_kernel
 
 SHRINK_TILE, EXPAND_TILE, NUM_WARPS = 8192, 4096, 4  # weight elements per program (A, B), its warps
 
 
 @triton.jit
-def _shrink_kernel(x_ptr, residual_ptr, norm_w_ptr, eps, a_ptr, h_ptr, slots_ptr, K, stride_xt, stride_rt, stride_as,
-                   stride_ap, stride_ar, NORM: tl.constexpr, ADD_RESIDUAL: tl.constexpr, RANK: tl.constexpr,
-                   BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    """h[t, p, r] = A[slot, p, r, :] . x[t] for BLOCK_R ranks r of row t, part p."""
+def _shrink_kernel(x_ptr, residual_ptr, a_ptr, h_ptr, slots_ptr, K, RES_K, stride_xt, stride_rt, stride_as, stride_ap,
+                   stride_ar, RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """h[t, p, r] = A[slot, p, r, :] . x[t] for BLOCK_R ranks r of row t, part p; with RES_K > 0,
+    . [x[t] | residual[t]] (K + RES_K columns: a fold, layers/lora.py; the A of the layer's own
+    parts is zero past K)."""
     t, p = tl.program_id(0), tl.program_id(1)
     ranks = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_K)
     slot = tl.load(slots_ptr + t).to(tl.int64)
-    mask = (ranks[:, None] < RANK * (slot >= 0)) & (cols[None, :] < K)  # no ranks at all without an adapter
+    mask = (ranks[:, None] < RANK * (slot >= 0)) & (cols[None, :] < K + RES_K)  # no ranks at all without an adapter
     a = tl.load(a_ptr + slot * stride_as + p * stride_ap + ranks[:, None] * stride_ar + cols[None, :], mask=mask,
                 other=0.0)
-    norm_w = tl.load(norm_w_ptr + cols, mask=cols < K * NORM, other=0.0)
     wait_for_previous_kernel(PDL)
     if slot < 0:
         return
     x = tl.load(x_ptr + t * stride_xt + cols, mask=cols < K, other=0.0)
-    if ADD_RESIDUAL:
-        x += tl.load(residual_ptr + t * stride_rt + cols, mask=cols < K, other=0.0)
-    if NORM:
-        x = rms_normed(x, norm_w, eps, K)
+    x += tl.load(residual_ptr + t * stride_rt + cols - K, mask=(cols >= K) & (cols < K + RES_K), other=0.0)
     h = tl.sum(a.to(tl.float32) * x.to(tl.float32)[None, :], 1)
     tl.store(h_ptr + (t * tl.num_programs(1) + p) * RANK + ranks, h, mask=ranks < RANK)
 
 
 @triton.jit
-def _expand_kernel(h_ptr, b_ptr, slots_ptr, y_ptr, N, stride_bs, stride_bn, stride_yt,
+def _expand_kernel(h_ptr, b_ptr, slots_ptr, y_ptr, N, stride_ht, stride_bs, stride_bn, stride_yt,
                    PART_STARTS: tl.constexpr, RANK: tl.constexpr, RANK_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                    PDL: tl.constexpr):
     """y[t, o] += B[slot, o, :RANK] . h[t, part(o)] for BLOCK_N outputs o of row t."""
@@ -82,28 +81,26 @@ def _expand_kernel(h_ptr, b_ptr, slots_ptr, y_ptr, N, stride_bs, stride_bn, stri
     wait_for_previous_kernel(PDL)
     if slot < 0:
         return
-    delta = tl.sum(b.to(tl.float32) * lora_h_tile(h_ptr, t, slot, outs, PART_STARTS, RANK, RANK_PAD), 1)
+    delta = tl.sum(b.to(tl.float32) * lora_h_tile(h_ptr + t * stride_ht, slot, outs, PART_STARTS, RANK, RANK_PAD), 1)
     y = tl.load(y_ptr + t * stride_yt + outs, mask=outs < N)
     tl.store(y_ptr + t * stride_yt + outs, (y.to(tl.float32) + delta).to(y.dtype), mask=outs < N)
 
 
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor, rank: int,
-                norm_weight: torch.Tensor | None = None, eps: float = 0.0,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
     """h [T, P, rank] float32, h[t, p] = lora_a[s, p, :rank] x[t] with s = token_slots[t] (rows with
-    slot -1 are left unwritten). x: [T, K]; lora_a: [S, P, R, K]; token_slots: [T] int32; 1 <= rank
-    <= R: only the first `rank` rank columns are read (one compile per value). With norm_weight the
-    input is rms_norm(x (+ residual)), as in gemv()."""
-    num_rows, k = x.shape
-    assert x.stride(-1) == lora_a.stride(-1) == 1 and lora_a.shape[3] == k and 1 <= rank <= lora_a.shape[2]
+    slot -1 are left unwritten). x: [T, K]; lora_a: [S, P, R, K (+ residual's width)]; token_slots:
+    [T] int32; 1 <= rank <= R: only the first `rank` rank columns are read (one compile per value).
+    With a residual [T, K2], parts 1.. multiply [x | residual] (a fold, layers/lora.py)."""
+    (num_rows, k), res_k = x.shape, 0 if residual is None else residual.shape[1]
+    assert x.stride(-1) == lora_a.stride(-1) == 1 and lora_a.shape[3] == k + res_k and 1 <= rank <= lora_a.shape[2]
     h = torch.empty(num_rows, lora_a.shape[1], rank, dtype=torch.float32, device=x.device)
-    block_k = triton.next_power_of_2(k)
+    block_k = triton.next_power_of_2(k + res_k)
     block_r = max(1, min(triton.next_power_of_2(rank), SHRINK_TILE // block_k))
     r = x if residual is None else residual
     _shrink_kernel[(num_rows, lora_a.shape[1], triton.cdiv(rank, block_r))](
-        x, r, x if norm_weight is None else norm_weight, eps, lora_a, h, token_slots, k, x.stride(0), r.stride(0),
-        lora_a.stride(0), lora_a.stride(1), lora_a.stride(2), NORM=norm_weight is not None,
-        ADD_RESIDUAL=residual is not None, RANK=rank, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=NUM_WARPS,
+        x, r, lora_a, h, token_slots, k, res_k, x.stride(0), r.stride(0), lora_a.stride(0), lora_a.stride(1),
+        lora_a.stride(2), RANK=rank, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=NUM_WARPS,
         **launch_options(x.device))
     return h
 
@@ -118,6 +115,6 @@ def lora_expand(y: torch.Tensor, h: torch.Tensor, lora_b: torch.Tensor, token_sl
     rank_pad = triton.next_power_of_2(rank)
     block_n = max(1, min(EXPAND_TILE // rank_pad, triton.next_power_of_2(n)))
     _expand_kernel[(num_rows, triton.cdiv(n, block_n))](
-        h, lora_b, token_slots, y, n, lora_b.stride(0), lora_b.stride(1), y.stride(0),
+        h, lora_b, token_slots, y, n, h.stride(0), lora_b.stride(0), lora_b.stride(1), y.stride(0),
         PART_STARTS=tuple(part_starts), RANK=rank, RANK_PAD=rank_pad, BLOCK_N=block_n, num_warps=NUM_WARPS,
         **launch_options(y.device))

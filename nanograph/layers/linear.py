@@ -48,14 +48,14 @@ def use_gemv(x: torch.Tensor | DeferredNorm) -> bool:
 
 
 def linear(x: torch.Tensor | DeferredNorm, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           silu_and_mul: bool = False, layer=None) -> torch.Tensor:
+           silu_and_mul: bool = False, layer=None, residual: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T + bias, plus each row's LoRA delta when `layer` is a LoRA target (layers/lora.py).
     The GEMV path also takes a DeferredNorm as x and can apply the MLP's activation to a [gate | up]
     product (the cuBLAS path leaves that to the caller); it adds the delta itself."""
     if not use_gemv(x):
         return add_lora(x, F.linear(x, weight, bias), layer)
     from nanograph.kernels.gemv import gemv
-    lora, x = lora_inputs(x, layer), x if isinstance(x, DeferredNorm) else DeferredNorm(x)
+    lora, x = lora_inputs(x, layer, residual), x if isinstance(x, DeferredNorm) else DeferredNorm(x)
     return gemv(x.x, weight, bias, silu_and_mul, x.weight, x.eps, x.residual, x.residual_out, lora)
 
 
@@ -161,11 +161,12 @@ class RowParallelLinear(nn.Module):
 
     def load_lora(self, slot: int, shard_id, a: torch.Tensor, b: torch.Tensor) -> None:
         """This rank's columns of A (its share of the input), all of B: the delta is a partial sum too."""
-        self.lora_a[slot, 0, :a.shape[0]] = a.tensor_split(tp_size(), dim=1)[tp_rank()]
+        self.lora_a[slot, 0, :a.shape[0], :self.weight.shape[1]] = a.tensor_split(tp_size(), dim=1)[tp_rank()]
         self.lora_b[slot, :, :b.shape[1]] = b
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, layer=self)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """residual: the stream the next norm adds to y, for a LoRA fold (layers/lora.py)."""
+        y = linear(x, self.weight, layer=self, residual=residual)
         if tp_size() > 1:
             dist.all_reduce(y)
         return y if self.bias is None else y + self.bias

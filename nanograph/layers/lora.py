@@ -16,12 +16,28 @@ rank bucket that holds all its adapters; a step without adapters has rank 0: no 
 all. The delta `y += (x A^T) B^T` of each row is computed
 - on CUDA by the BGMV kernels (kernels/lora.py): each row gathers its own slot's weights;
   capturable, so each (batch, rank) bucket has its own graph (cuda_graph.py). Where the product
-  is the few-row GEMV (`lora_inputs`) the GEMV adds the delta itself after the shrink kernel, so
-  LoRA keeps the deferred norms (and, at one row, the activation fused into the [gate | up]
-  GEMV: kernels/gemv.py says why not at more); after a cuBLAS product (`add_lora`) the expand
-  kernel adds it;
+  is the few-row GEMV (`lora_inputs`) the GEMV adds the delta itself after a shrink kernel (and,
+  at one row, the activation fused into the [gate | up] GEMV: kernels/gemv.py says why not at
+  more); after a cuBLAS product (`add_lora`) the expand kernel adds it;
 - otherwise (larger prefills, the CPU) in plain torch, every slot over all rows, each row keeping
   its own slot's delta (no host sync, no index lists): the oracle.
+
+Folds: half the shrinks, and the norms stay deferred. At a few rows a decode step is a chain of
+dependent kernels, each costing about a microsecond of latency, and four shrinks per layer made a
+LoRA step 1.3x the base step. But the QKV and gate/up projections take `norm(v)`, where v = the
+output of the projection before them (down of the layer before, O) + the residual stream r, and
+that output is linear in its input x: v = (W + B A) x + r, with the producer's own delta. So the
+consumer's h = A_c norm(v) = rstd(v) * A' v with A' = A_c diag(norm weight), and
+A' v = [A' (W + B A) | A'] [x | r]: a matrix [parts, R, in + hidden] per slot, computed when the
+adapter is loaded, that the *producer's* shrink multiplies along with its own A (same input x,
+plus r). Its h goes to the consumer through the step metadata (`lora_fold`), and the consumer's
+GEMV, which computes rstd(v) for the deferred norm anyway, applies it. Two shrinks per layer
+(O's and down's) instead of four, and no norm computed twice. The first layer's QKV (its input
+is the embedding), a producer with a bias (A' b would be missing) and tensor parallelism (the
+producer's x W^T is a partial sum per rank) have no fold: in a LoRA step their norms run as a
+kernel and their consumers shrink the normed x. The cost: each producer's slot buffer grows by
+the fold (bf16, max_loras 4, max_lora_rank 64: 273 MiB more on Qwen3-0.6B, 1.24 GiB on Qwen3-8B), and
+each adapter load does two matmuls per fold. Measured: README, "Multi-LoRA".
 """
 import torch
 
@@ -41,9 +57,14 @@ def lora_targets(model) -> list:
 
 
 def add_lora_buffers(model, max_loras: int, max_rank: int) -> None:
+    """The slots of every target layer; a producer's lora_a also has room for its fold, after its own parts."""
+    folds = {producer: consumer for producer, consumer, _ in model.lora_folds()}
     for layer in lora_targets(model):
         out, inp = layer.weight.shape
-        layer.lora_a = layer.weight.new_zeros(max_loras, len(layer.part_starts), max_rank, inp)
+        parts, width = len(layer.part_starts), inp
+        if (consumer := folds.get(layer)) is not None:  # room for its consumer's folded A
+            parts, width = parts + len(consumer.part_starts), inp + consumer.weight.shape[1]
+        layer.lora_a = layer.weight.new_zeros(max_loras, parts, max_rank, width)
         layer.lora_b = layer.weight.new_zeros(max_loras, out, max_rank)
 
 
@@ -56,18 +77,30 @@ def load_adapter(model, slot: int, adapter: Adapter) -> None:
         block = model.model.layers[i]
         layer = getattr(block.self_attn if hasattr(block.self_attn, fused) else block.mlp, fused)
         layer.load_lora(slot, shard_id, a.to(layer.weight.dtype), b.to(layer.weight.dtype))
+    for producer, consumer, norm in model.lora_folds():  # [A' (W + B A) | A'], A' = A diag(norm weight)
+        k, a, b = producer.weight.shape[1], producer.lora_a[slot, 0].float(), producer.lora_b[slot].float()
+        folded = consumer.lora_a[slot].float() * norm.weight.float()  # [parts, R, hidden]
+        producer.lora_a[slot, 1:] = torch.cat([folded @ (producer.weight.float() + b @ a[:, :k]), folded], -1)
 
 
-def lora_inputs(x: torch.Tensor | DeferredNorm, layer) -> tuple | None:
+def lora_inputs(x: torch.Tensor | DeferredNorm, layer, residual: torch.Tensor | None = None) -> tuple | None:
     """CUDA: the first half of each row's delta, h = x A^T of the row's adapter (kernels/lora.py's
-    shrink, which also applies a deferred norm), with what the second half needs:
-    (h, lora_b, slots, part_starts). None when `layer` (None: not a LoRA target) adds no delta this step."""
+    shrink), with what the second half needs: (h, lora_b, slots, part_starts). None when `layer`
+    (None: not a LoRA target) adds no delta this step. On the GEMV path (`residual` given) a
+    producer's shrink also makes its consumer's folded h, which the consumer then takes, its
+    input being a DeferredNorm."""
     if getattr(layer, "lora_a", None) is None or get_step_metadata().lora_rank == 0:
         return None
     from nanograph.kernels.lora import lora_shrink
-    md, x = get_step_metadata(), x if isinstance(x, DeferredNorm) else DeferredNorm(x)
-    h = lora_shrink(x.x, layer.lora_a, md.lora_slots, md.lora_rank, x.weight, x.eps, x.residual)
-    return h, layer.lora_b, md.lora_slots, layer.part_starts
+    md, own = get_step_metadata(), len(layer.part_starts)
+    if isinstance(x, DeferredNorm):  # deferred only after a fold (models/decoder.py)
+        h, md.lora_fold = md.lora_fold, None
+    else:
+        fold = residual is not None and layer.lora_a.shape[1] > own
+        a = layer.lora_a if fold else layer.lora_a[:, :own, :, :x.shape[1]]
+        h = lora_shrink(x, a, md.lora_slots, md.lora_rank, residual if fold else None)
+        md.lora_fold = h[:, own:] if fold else None
+    return h[:, :own], layer.lora_b, md.lora_slots, layer.part_starts
 
 
 def add_lora(x: torch.Tensor, y: torch.Tensor, layer) -> torch.Tensor:
@@ -81,7 +114,8 @@ def add_lora(x: torch.Tensor, y: torch.Tensor, layer) -> torch.Tensor:
         return y
     parts = list(zip(layer.part_starts, layer.part_starts[1:] + (y.shape[1],)))
     for slot in range(layer.lora_a.shape[0]):  # every slot over every row: each row keeps only its own slot's delta
-        h = torch.einsum("tk,prk->tpr", x, layer.lora_a[slot, :, :md.lora_rank])  # [rows, parts, rank]
+        # h: [rows, parts, rank] (a producer's buffers also hold a fold: its own parts and columns only)
+        h = torch.einsum("tk,prk->tpr", x, layer.lora_a[slot, :len(parts), :md.lora_rank, :x.shape[1]])
         delta = torch.cat([h[:, p] @ layer.lora_b[slot, s:e, :md.lora_rank].T for p, (s, e) in enumerate(parts)], 1)
         y += delta * (md.lora_slots == slot)[:, None]
     return y

@@ -50,10 +50,10 @@ class DecoderAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.attn = Attention(self.head_dim ** -0.5, rope, self.q_norm, self.k_norm)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         heads = self.qkv_proj(x).unflatten(-1, (self.num_heads + 2 * self.num_kv_heads, self.head_dim))
         q, k, v = heads.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
-        return self.o_proj(self.attn(positions, q, k, v).flatten(1))
+        return self.o_proj(self.attn(positions, q, k, v).flatten(1), residual)
 
 
 class DecoderMLP(nn.Module):
@@ -63,12 +63,11 @@ class DecoderMLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # The activation fused into the GEMV (x is then a DeferredNorm); next to a LoRA delta only
-        # at one row (kernels/gemv.py says why).
-        if use_gemv(x) and (get_step_metadata().lora_rank == 0 or len(x.x) == 1):
-            return self.down_proj(self.gate_up_proj(x, silu_and_mul=True))
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        # The activation fused into the GEMV; next to a LoRA delta only at one row (kernels/gemv.py says why).
+        if use_gemv(x) and (get_step_metadata().lora_rank == 0 or len(get_step_metadata().lora_slots) == 1):
+            return self.down_proj(self.gate_up_proj(x, silu_and_mul=True), residual)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)), residual)
 
 
 class DecoderLayer(nn.Module):
@@ -81,12 +80,13 @@ class DecoderLayer(nn.Module):
 
     def forward(self, positions, x, residual):
         # residual carries the un-normalised stream; at small decode batches on CUDA both norms
-        # are deferred into the GEMV that reads them (see norm.py)
-        defer = use_gemv(x)
-        x, residual = self.input_layernorm(x, residual, defer)
-        x = self.self_attn(positions, x)
-        x, residual = self.post_attention_layernorm(x, residual, defer)
-        return self.mlp(x), residual
+        # are deferred into the GEMV that reads them (see norm.py), in a LoRA step only where a
+        # fold has made the GEMV's h (layers/lora.py): not the first layer's, nor with tp > 1
+        md, defer = get_step_metadata(), use_gemv(x)
+        x, residual = self.input_layernorm(x, residual, defer and not (md.lora_rank and md.lora_fold is None))
+        x = self.self_attn(positions, x, residual)
+        x, residual = self.post_attention_layernorm(x, residual, defer and not (md.lora_rank and md.lora_fold is None))
+        return self.mlp(x, residual), residual
 
 
 class DecoderModel(nn.Module):
@@ -124,6 +124,15 @@ class DecoderForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
+
+    def lora_folds(self) -> list[tuple]:
+        """(producer, consumer, norm): the consumer's input is norm(the producer's output + the
+        residual stream). With one rank and no bias in the producer, the consumer's LoRA shrink
+        folds into the producer's (layers/lora.py)."""
+        layers = self.model.layers
+        folds = [(layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.post_attention_layernorm) for layer in layers]
+        folds += [(a.mlp.down_proj, b.self_attn.qkv_proj, b.input_layernorm) for a, b in zip(layers, layers[1:])]
+        return [fold for fold in folds if fold[0].bias is None] if tp_size() == 1 else []
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
