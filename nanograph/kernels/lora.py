@@ -50,9 +50,9 @@ SHRINK_TILE, EXPAND_TILE, NUM_WARPS = 8192, 4096, 4  # weight elements per progr
 @triton.jit
 def _shrink_kernel(x_ptr, residual_ptr, a_ptr, h_ptr, slots_ptr, K, RES_K, stride_xt, stride_rt, stride_as, stride_ap,
                    stride_ar, RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    """h[t, p, r] = A[slot, p, r, :] . x[t] for BLOCK_R ranks r of row t, part p; with RES_K > 0,
-    . [x[t] | residual[t]] (K + RES_K columns: a fold, layers/lora.py; the A of the layer's own
-    parts is zero past K)."""
+    """h[t, p, r] = A[slot, p, r, :] . x[t] for BLOCK_R ranks r of row t, part p. With RES_K > 0 the
+    row is [x[t] | residual[t]], K + RES_K columns (a fold, layers/lora.py; the A of the layer's
+    own parts is zero past K)."""
     t, p = tl.program_id(0), tl.program_id(1)
     ranks = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_K)
@@ -91,7 +91,8 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor
     """h [T, P, rank] float32, h[t, p] = lora_a[s, p, :rank] x[t] with s = token_slots[t] (rows with
     slot -1 are left unwritten). x: [T, K]; lora_a: [S, P, R, K (+ residual's width)]; token_slots:
     [T] int32; 1 <= rank <= R: only the first `rank` rank columns are read (one compile per value).
-    With a residual [T, K2], parts 1.. multiply [x | residual] (a fold, layers/lora.py)."""
+    With a residual [T, K2] every part multiplies [x | residual] (a fold, layers/lora.py; the
+    layer's own parts are zero past K)."""
     (num_rows, k), res_k = x.shape, 0 if residual is None else residual.shape[1]
     assert x.stride(-1) == lora_a.stride(-1) == 1 and lora_a.shape[3] == k + res_k and 1 <= rank <= lora_a.shape[2]
     h = torch.empty(num_rows, lora_a.shape[1], rank, dtype=torch.float32, device=x.device)
