@@ -34,7 +34,7 @@ import os
 from collections import deque
 from itertools import count
 
-import torch.distributed as dist
+import torch
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer, GenerationConfig
 
@@ -52,7 +52,7 @@ from nanograph.sampling_params import SamplingParams
 class LLM(contextlib.AbstractContextManager):  # `with LLM(...) as llm:` closes it at the end
     def __init__(self, model: str, **kwargs):
         self.config = config = Config(model, **kwargs)
-        if dist.is_initialized():  # the layers shard over the default group (layers/linear.py): one at a time
+        if torch.distributed.is_initialized():  # layers shard over the default group (layers/linear.py): one at a time
             raise RuntimeError("a torch.distributed process group is already open here: close the other LLM first")
         self.tokenizer = None
         if any(os.path.exists(os.path.join(config.model_dir, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
@@ -146,7 +146,7 @@ class LLM(contextlib.AbstractContextManager):  # `with LLM(...) as llm:` closes 
         except BaseException:
             # an interrupt or a failed step: nothing of this call may leak into the next one
             with contextlib.suppress(Exception):  # a broken device must not hide the original error
-                self.runner.synchronize()
+                torch.cuda.synchronize()  # (without CUDA this raises too: nothing to wait for)
             for seq in seqs:
                 self.scheduler.finish(seq)
             raise

@@ -23,7 +23,8 @@ from safetensors import safe_open
 
 # PEFT's names of a decoder layer's linear modules
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-TENSOR_NAME = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight")
+# groups: the module's path in the model, its layer, its name, A or B
+TENSOR_NAME = re.compile(r"base_model\.model\.(model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+))\.lora_([AB])\.weight")
 UNSUPPORTED = ("use_dora", "modules_to_save", "rank_pattern", "alpha_pattern", "layers_to_transform", "lora_bias")
 
 
@@ -73,23 +74,24 @@ def read_adapter(request: LoRARequest, hf, max_rank: int, where: str = "") -> Ad
     with safe_open(files[1], framework="pt") as f:
         for name in f.keys():
             match = TENSOR_NAME.fullmatch(name)
-            if not match or match[2] not in TARGETS or int(match[1]) >= hf.num_hidden_layers:
+            if not match or match[3] not in TARGETS or int(match[2]) >= hf.num_hidden_layers:
                 fail(f"tensor {name} targets a module the model does not have")
-            out, inp = shapes[match[2]]
-            want = (rank, inp) if match[3] == "A" else (out, rank)
+            out, inp = shapes[match[3]]
+            want = (rank, inp) if match[4] == "A" else (out, rank)
             if tuple(f.get_slice(name).get_shape()) != want:
                 fail(f"tensor {name} has shape {tuple(f.get_slice(name).get_shape())}, expected {want} (rank {rank})")
-            pairs.add((name[:-len("A.weight")], match[3]))
+            pairs.add((name[:-len("A.weight")], match[4]))
     if not pairs or len({p for p, _ in pairs}) * 2 != len(pairs):
         fail("every targeted module needs both lora_A and lora_B, and at least one module")
     return Adapter(request, rank, cfg["lora_alpha"] / (math.sqrt(rank) if cfg.get("use_rslora") else rank))
 
 
 def adapter_weights(adapter: Adapter):
-    """(layer index, module name, A [r, in], scaling * B [out, r]) for each targeted module."""
+    """(module path, e.g. model.layers.3.self_attn.q_proj, A [r, in], scaling * B [out, r]) for each
+    targeted module."""
     with safe_open(os.path.join(adapter.request.path, "adapter_model.safetensors"), framework="pt") as f:
         for name in f.keys():
             match = TENSOR_NAME.fullmatch(name)
-            if match[3] == "A":
+            if match[4] == "A":
                 b = f.get_tensor(name.replace("lora_A", "lora_B"))
-                yield int(match[1]), match[2], f.get_tensor(name), adapter.scaling * b.to(torch.float32)
+                yield match[1], f.get_tensor(name), adapter.scaling * b.to(torch.float32)

@@ -169,8 +169,8 @@ def test_bad_lora_input_is_a_clear_error_and_the_engine_stays_usable(tiny_model,
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 def test_mixed_batch_matches_peft_with_graphs(tiny_model, adapters, family):
     """Decode batches shrink from 11 (eager) through the buckets [1, 2, 4, 8], in rank buckets 8
-    and 16, down to the longest request alone on an adapter of all seven projections (one row: its
-    [gate | up] GEMV applies the delta and the activation together)."""
+    and 16, down to the longest request alone on an adapter of all seven projections: the cuBLAS
+    path (its shrink on a side stream) in and out of graphs, and the GEMV's."""
     path, reqs = tiny_model(family), adapters(family)
     prompts = random_prompts([5 + 4 * i for i in range(11)], seed=15)
     loras = ([None, reqs["mlp4"], reqs["all16"], reqs["qv8"]] * 3)[:11]

@@ -37,11 +37,10 @@ latency even when its weights are already in flight):
   stay deferred. (A shrink as the first programs of this kernel's own launch, the others
   polling a count of them, was no faster: what costs is the dependency, not the launch;
   README, "Multi-LoRA".) With `silu_and_mul` the up rows get their delta too, before the
-  activation. models/decoder.py uses that pair at one row only: there a LoRA step was 3-8%
-  faster than with the activation as a kernel of its own; at 2 rows as fast (Qwen3-0.6B shape)
-  or 3% slower (Llama-3.2-1B), at 4 rows 18% slower (0.6B), with this tile or half of it (which
-  keeps the registers at the plain GEMV's 128: not only their count, then). Rank 16, H100,
-  measured before the fold and before gate and up shared a tile.
+  activation. (While gate and up had tiles of their own, that pair was slower at 2-4 rows than
+  the activation as a kernel of its own, and was used at one row only. With the shared tile a
+  rank-16 LoRA step at 2 / 4 rows costs 1.16x / 1.19x the base step against 1.28x / 1.29x with
+  the activation apart: Qwen3-0.6B shape, H100.)
 All round like the torch path (layers/norm.py, models/decoder.py) at every step.
 """
 import torch

@@ -16,9 +16,11 @@ rank bucket that holds all its adapters; a step without adapters has rank 0: no 
 all. The delta `y += (x A^T) B^T` of each row is computed
 - on CUDA by the BGMV kernels (kernels/lora.py): each row gathers its own slot's weights;
   capturable, so each (batch, rank) bucket has its own graph (cuda_graph.py). Where the product
-  is the few-row GEMV (`lora_inputs`) the GEMV adds the delta itself after a shrink kernel (and,
-  at one row, the activation fused into the [gate | up] GEMV: kernels/gemv.py says why not at
-  more); after a cuBLAS product (`add_lora`) the expand kernel adds it;
+  is the few-row GEMV (`lora_inputs`) the GEMV adds the delta itself after a shrink kernel
+  (before the activation it applies to [gate | up]); after a cuBLAS product (`add_lora`) the
+  expand kernel adds it, and the shrink, which needs x only, runs on a side stream while cuBLAS
+  computes the product (in a graph: two parallel branches, joined before the expand; measured:
+  README, "Multi-LoRA");
 - otherwise (larger prefills, the CPU) in plain torch, every slot over all rows, each row keeping
   its own slot's delta (no host sync, no index lists): the oracle.
 
@@ -60,22 +62,21 @@ def add_lora_buffers(model, max_loras: int, max_rank: int) -> None:
     """The slots of every target layer; a producer's lora_a also has room for its fold, after its own parts."""
     folds = {producer: consumer for producer, consumer, _ in model.lora_folds()}
     for layer in lora_targets(model):
-        out, inp = layer.weight.shape
-        parts, width = len(layer.part_starts), inp
-        if (consumer := folds.get(layer)) is not None:  # room for its consumer's folded A
-            parts, width = parts + len(consumer.part_starts), inp + consumer.weight.shape[1]
+        # a producer's A: its own parts, then its consumer's (whose inputs follow its own)
+        modules = [layer, folds[layer]] if layer in folds else [layer]
+        parts, width = sum(len(m.part_starts) for m in modules), sum(m.weight.shape[1] for m in modules)
         layer.lora_a = layer.weight.new_zeros(max_loras, parts, max_rank, width)
-        layer.lora_b = layer.weight.new_zeros(max_loras, out, max_rank)
+        layer.lora_b = layer.weight.new_zeros(max_loras, layer.weight.shape[0], max_rank)
 
 
 @torch.no_grad()
 def load_adapter(model, slot: int, adapter: Adapter) -> None:
     for layer in lora_targets(model):
         layer.lora_a[slot], layer.lora_b[slot] = 0, 0
-    for i, name, a, b in adapter_weights(adapter):
+    for path, a, b in adapter_weights(adapter):
+        parent, _, name = path.rpartition(".")
         fused, shard_id = model.packed_modules.get(name, (name, None))
-        block = model.model.layers[i]
-        layer = getattr(block.self_attn if hasattr(block.self_attn, fused) else block.mlp, fused)
+        layer = model.get_submodule(f"{parent}.{fused}")
         layer.load_lora(slot, shard_id, a.to(layer.weight.dtype), b.to(layer.weight.dtype))
     for producer, consumer, norm in model.lora_folds():  # [A' (W + B A) | A'], A' = A diag(norm weight)
         k, a, b = producer.weight.shape[1], producer.lora_a[slot, 0].float(), producer.lora_b[slot].float()
@@ -103,14 +104,23 @@ def lora_inputs(x: torch.Tensor | DeferredNorm, layer, residual: torch.Tensor | 
     return h[:, :own], layer.lora_b, md.lora_slots, layer.part_starts
 
 
-def add_lora(x: torch.Tensor, y: torch.Tensor, layer) -> torch.Tensor:
-    """y (= x W^T of `layer`, None: not a LoRA target) plus the LoRA delta of each row's adapter, in place."""
+def add_lora(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer) -> torch.Tensor:
+    """x W^T + bias (cuBLAS) plus the LoRA delta of each row's adapter when `layer` is a LoRA target.
+    On CUDA in decode the shrink, which needs x only, runs on a side stream beside the product (in
+    a graph, a parallel branch), and the expand kernel adds the delta after both."""
     if getattr(layer, "lora_a", None) is None or get_step_metadata().lora_rank == 0:
-        return y
-    md = get_step_metadata()
-    if y.is_cuda and not md.is_prefill:
+        return torch.nn.functional.linear(x, weight, bias)
+    md, lora = get_step_metadata(), None
+    if x.is_cuda and not md.is_prefill:  # a pooled stream of high priority: never the current one
+        main, side = torch.cuda.current_stream(), torch.cuda.Stream(x.device, priority=-1)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            lora = lora_inputs(x, layer)
+    y = torch.nn.functional.linear(x, weight, bias)
+    if lora is not None:
         from nanograph.kernels.lora import lora_expand
-        lora_expand(y, *lora_inputs(x, layer))
+        main.wait_stream(side)
+        lora_expand(y, *lora)
         return y
     parts = list(zip(layer.part_starts, layer.part_starts[1:] + (y.shape[1],)))
     for slot in range(layer.lora_a.shape[0]):  # every slot over every row: each row keeps only its own slot's delta

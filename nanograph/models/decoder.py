@@ -64,10 +64,9 @@ class DecoderMLP(nn.Module):
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        # The activation fused into the GEMV; next to a LoRA delta only at one row (kernels/gemv.py says why).
-        if use_gemv(x) and (get_step_metadata().lora_rank == 0 or len(get_step_metadata().lora_slots) == 1):
-            return self.down_proj(self.gate_up_proj(x, silu_and_mul=True), residual)
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)), residual)
+        # the GEMV applies the activation itself (after the LoRA delta, kernels/gemv.py)
+        gate_up = self.gate_up_proj(x, silu_and_mul=True) if use_gemv(x) else silu_and_mul(self.gate_up_proj(x))
+        return self.down_proj(gate_up, residual)
 
 
 class DecoderLayer(nn.Module):
