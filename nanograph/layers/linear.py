@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from nanograph.layers.lora import add_lora, lora_inputs
+from nanograph.layers.lora import linear_with_lora, lora_inputs
 from nanograph.layers.norm import DeferredNorm
 
 
@@ -52,7 +52,7 @@ def linear(x: torch.Tensor | DeferredNorm, weight: torch.Tensor, bias: torch.Ten
     The GEMV path also takes a DeferredNorm as x and can apply the MLP's activation to a [gate | up]
     product (the cuBLAS path leaves that to the caller); it adds the delta itself."""
     if not use_gemv(x):
-        return add_lora(x, weight, bias, layer)
+        return linear_with_lora(x, weight, bias, layer)
     from nanograph.kernels.gemv import gemv
     lora, x = lora_inputs(x, layer, residual), x if isinstance(x, DeferredNorm) else DeferredNorm(x)
     return gemv(x.x, weight, bias, silu_and_mul, x.weight, x.eps, x.residual, x.residual_out, lora)

@@ -17,7 +17,7 @@ all. The delta `y += (x A^T) B^T` of each row is computed
 - on CUDA by the BGMV kernels (kernels/lora.py): each row gathers its own slot's weights;
   capturable, so each (batch, rank) bucket has its own graph (cuda_graph.py). Where the product
   is the few-row GEMV (`lora_inputs`) the GEMV adds the delta itself after a shrink kernel
-  (before the activation it applies to [gate | up]); after a cuBLAS product (`add_lora`) the
+  (before the activation it applies to [gate | up]); after a cuBLAS product (`linear_with_lora`) the
   expand kernel adds it, and the shrink, which needs x only, runs on a side stream while cuBLAS
   computes the product (in a graph: two parallel branches, joined before the expand; measured:
   README, "Multi-LoRA");
@@ -104,7 +104,7 @@ def lora_inputs(x: torch.Tensor | DeferredNorm, layer, residual: torch.Tensor | 
     return h[:, :own], layer.lora_b, md.lora_slots, layer.part_starts
 
 
-def add_lora(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer) -> torch.Tensor:
+def linear_with_lora(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer) -> torch.Tensor:
     """x W^T + bias (cuBLAS) plus the LoRA delta of each row's adapter when `layer` is a LoRA target.
     On CUDA in decode the shrink, which needs x only, runs on a side stream beside the product (in
     a graph, a parallel branch), and the expand kernel adds the delta after both."""
