@@ -48,8 +48,10 @@ and a step without adapters the rank-0 graph, which has no LoRA kernels at all. 
 bucket gets every rank bucket: the grid is the ladder times at most five, and it stays cheap
 because the graphs share one pool and one logits output, so each graph adds only its own
 workspace. Measured on an H100 (Qwen3-0.6B shape, bench.py --lora, sampler inside the graphs):
-the 18 graphs of the default ladder took 0.8 s, the 90 of the LoRA grid (max_lora_rank 64)
-5.1 s, both 478 MiB; most of it is likely the largest graph's float32 scores [512, vocab].
+the 18 graphs of the default ladder took 1.1 s and 478 MiB, most of it likely the largest graph's
+float32 scores [512, vocab]; the 90 of the LoRA grid (max_lora_rank 64) 11.4 s and 542 MiB,
+against 8.0 s and 478 MiB before the shrinks went to a side stream (layers/lora.py): presumably
+that stream's intermediates take pool blocks of their own, which the main stream's cannot reuse.
 """
 import logging
 import time

@@ -17,10 +17,10 @@ all. The delta `y += (x A^T) B^T` of each row is computed
 - on CUDA by the BGMV kernels (kernels/lora.py): each row gathers its own slot's weights;
   capturable, so each (batch, rank) bucket has its own graph (cuda_graph.py). Where the product
   is the few-row GEMV (`lora_inputs`) the GEMV adds the delta itself after a shrink kernel
-  (before the activation it applies to [gate | up]); after a cuBLAS product (`linear_with_lora`) the
-  expand kernel adds it, and the shrink, which needs x only, runs on a side stream while cuBLAS
-  computes the product (in a graph: two parallel branches, joined before the expand; measured:
-  README, "Multi-LoRA");
+  (before the activation it applies to [gate | up]); after a cuBLAS product
+  (`linear_with_lora`) the expand kernel adds it, and the shrink, which needs x only, runs on a
+  side stream while cuBLAS computes the product (in a graph: two parallel branches, joined
+  before the expand; measured: README, "Multi-LoRA");
 - otherwise (larger prefills, the CPU) in plain torch, every slot over all rows, each row keeping
   its own slot's delta (no host sync, no index lists): the oracle.
 
