@@ -16,11 +16,15 @@ cuts this rank's share of an adapter the way `weight_loader` does for the weight
 On CUDA, products with few rows (decode at small batch) go to the GEMV kernel of
 kernels/gemv.py, which streams the weights inside the PDL chain and can apply a deferred RMSNorm
 to its input (layers/norm.py); larger ones go to cuBLAS, whose tensor cores reuse each weight
-tile across rows. Where they cross depends on the model: a GEMV program holds each of its input
-rows whole in registers (next_pow2(K) elements), so rows x K is what spills. Measured on six
-shapes (bench.py --decode-sweep, H100), the GEMV wins up to the largest power-of-two row count
-with rows * next_pow2(K) <= 16384, K the widest input of the model's layers on this rank: 4 rows
-for Qwen3-0.6B, 2 for Qwen3-1.7B and Llama-3.2-1B, 1 for Qwen3-4B and the 8B shapes. The same
+tile across rows. Where they cross depends on the model: a GEMV program holds its weight rows
+and each of its input rows whole (next_pow2(K) elements) in registers, and reduces every row on
+CUDA cores after the wait. Measured on six shapes (bench.py --decode-sweep, H100), the GEMV wins
+up to the largest power-of-two row count with rows * next_pow2(K) <= 16384, K the widest input of
+the model's layers on this rank: 4 rows for Qwen3-0.6B, 2 for Qwen3-1.7B and Llama-3.2-1B, 1 for
+Qwen3-4B and the 8B shapes. Registers explain the last (tools/gemv_registers.py, sm_90, Triton
+3.6): at next_pow2(K) = 16384 the GEMV spills, 136 bytes a thread at 1 row, 678-840 at 2-8 rows.
+Narrower inputs never spill up to 8 rows; there more rows cost occupancy (K = 4096: 93 registers
+a thread at 1 row, 158-168 at 2-8, so an SM holds 3 programs instead of 5) and FMAs. The same
 rule per layer (each layer's own K: an 8B model's QKV, O and gate/up on the GEMV up to 4 rows,
 its down in cuBLAS) measured slower: Qwen3-8B batch 2 / 4 7.001 / 10.345 ms per step against
 6.418 / 6.768, Llama-3.2-1B batch 4 1.588 against 1.381 (H100).
