@@ -22,13 +22,13 @@ from triton.compiler import ASTSource
 
 from nanograph.kernels import gemv
 
-INT_ARGS_ALIGNED = ("K", "stride_xm", "stride_wn", "stride_om", "stride_rm", "stride_rom")  # multiples of 16, as the JIT sees them
+# integer arguments that are multiples of 16 on the engine's shapes, as the JIT marks them
+INT_ARGS_ALIGNED = ("K", "stride_xm", "stride_wn", "stride_om", "stride_rm", "stride_rom")
 
 
 def compile_gemv(rows: int, k: int, n: int = 4096) -> str:
     """The PTX of the GEMV for `rows` bf16 rows of width k with a deferred norm (x + residual)."""
-    fn, block_k = gemv._gemv_kernel, triton.next_power_of_2(k)
-    block_n = max(1, min(gemv.TARGET_TILE // block_k, triton.next_power_of_2(n)))
+    fn, (block_n, block_k) = gemv._gemv_kernel, gemv.tile_shape(n, k, silu_and_mul=False)
     constants = dict(HAS_BIAS=False, SILU_AND_MUL=False, NORM=True, ADD_RESIDUAL=True, PART_STARTS=(0,),
                      LORA_RANK=0, RANK_PAD=1, ROWS=triton.next_power_of_2(rows), BLOCK_N=block_n,
                      BLOCK_K=block_k, PDL=True)

@@ -122,6 +122,12 @@ def _gemv_kernel(
         tl.store(out_ptr + m * stride_om + outs, y.to(dtype), mask=outs < N * (M > m))
 
 
+def tile_shape(n: int, k: int, silu_and_mul: bool) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_K) of a program: whole rows, about TARGET_TILE weights (gate and up count twice)."""
+    block_k = triton.next_power_of_2(k)
+    return max(1, min(TARGET_TILE // block_k // (2 if silu_and_mul else 1), triton.next_power_of_2(n))), block_k
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, silu_and_mul: bool = False,
          norm_weight: torch.Tensor | None = None, eps: float = 0.0, residual: torch.Tensor | None = None,
          residual_out: torch.Tensor | None = None, lora: tuple | None = None) -> torch.Tensor:
@@ -136,8 +142,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     n = weight.shape[0] // (2 if silu_and_mul else 1)
     assert x.stride(-1) == 1 and weight.stride(-1) == 1 and weight.shape[1] == k
     out = torch.empty(num_rows, n, dtype=x.dtype, device=x.device)
-    block_k = triton.next_power_of_2(k)
-    block_n = max(1, min(TARGET_TILE // block_k // (2 if silu_and_mul else 1), triton.next_power_of_2(n)))
+    block_n, block_k = tile_shape(n, k, silu_and_mul)
     r, r_out = (residual, residual_out) if residual is not None else (x, out)
     h, lora_b, slots, part_starts = lora or (out, weight, out, (0,))
     rank = h.shape[2] if lora else 0
