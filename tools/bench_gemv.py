@@ -19,6 +19,7 @@ from nanograph.layers.norm import rms_norm as torch_rms_norm
 
 SHAPES = {  # hidden, QKV out, Q out, intermediate, layers
     "qwen3-0.6b": (1024, 4096, 2048, 3072, 28),
+    "llama3.2-1b": (2048, 3072, 2048, 8192, 16),
     "qwen3-8b": (4096, 6144, 4096, 12288, 36),
 }
 VOCAB = 151936

@@ -32,18 +32,11 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from bench_gemv import time_graph
+from bench_gemv import SHAPES, VOCAB, time_graph
 from nanograph.kernels.gemv import gemv
 from nanograph.kernels.pdl import launch_options, wait_for_previous_kernel
 from nanograph.layers.norm import add_rms_norm
 from nanograph.layers.norm import rms_norm as ref_rms_norm
-
-SHAPES = {  # hidden, QKV out, Q out, intermediate, layers
-    "qwen3-0.6b": (1024, 4096, 2048, 3072, 28),
-    "llama3.2-1b": (2048, 3072, 2048, 8192, 16),
-    "qwen3-8b": (4096, 6144, 4096, 12288, 36),
-}
-VOCAB = 151936
 
 
 @triton.jit
