@@ -40,6 +40,36 @@ from nanograph.layers.norm import rms_norm as ref_rms_norm
 
 
 @triton.jit
+def output_rows(pid, N, SILU_AND_MUL: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Program pid's outputs and weight rows; with SILU_AND_MUL gate row o and up row N + o side by
+    side, as in the GEMV."""
+    if SILU_AND_MUL:
+        outs = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        w_rows = tl.reshape(tl.join(outs, outs + N), [BLOCK_N])
+    else:
+        outs = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        w_rows = outs
+    return outs, w_rows, N * (2 if SILU_AND_MUL else 1)
+
+
+@triton.jit
+def store_outputs(acc, ss, bias, out_ptr, rows, outs, M, N, K, eps, stride_om, NORM: tl.constexpr,
+                  SILU_AND_MUL: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """acc [ROWS, BLOCK_N] finished: the deferred norm's 1 / rms (ss: the rows' sums of squares), bias,
+    SiLU(gate) * up, stored."""
+    if NORM:
+        acc = acc * tl.rsqrt(ss / K + eps)[:, None]
+    y = acc + bias[None, :]
+    dtype = out_ptr.dtype.element_ty
+    if SILU_AND_MUL:
+        gate, up = tl.split(tl.reshape(y, [ROWS, BLOCK_N // 2, 2]))
+        gate = gate.to(dtype).to(tl.float32)
+        y = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up.to(dtype).to(tl.float32)
+    tl.store(out_ptr + rows[:, None] * stride_om + outs[None, :], y.to(dtype),
+             mask=(rows[:, None] < M) & (outs[None, :] < N))
+
+
+@triton.jit
 def _splitk_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, residual_ptr, norm_w_ptr, residual_out_ptr, eps,
                    part_ptr, ss_ptr, count_ptr, M, N, K, stride_xm, stride_wn, stride_om, stride_rm, stride_rom,
                    HAS_BIAS: tl.constexpr, SILU_AND_MUL: tl.constexpr, NORM: tl.constexpr,
@@ -47,13 +77,7 @@ def _splitk_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, residual_ptr, norm_w_ptr, re
                    KSPLIT_PAD: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
-    if SILU_AND_MUL:  # gate row o and up row N + o side by side, as in the GEMV
-        outs = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        w_rows = tl.reshape(tl.join(outs, outs + N), [BLOCK_N])
-    else:
-        outs = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        w_rows = outs
-    num_w_rows = N * (2 if SILU_AND_MUL else 1)
+    outs, w_rows, num_w_rows = output_rows(pid_n, N, SILU_AND_MUL, BLOCK_N)
     cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     w = tl.load(w_ptr + w_rows[:, None] * stride_wn + cols[None, :],
                 mask=(w_rows[:, None] < num_w_rows) & (cols[None, :] < K), other=0.0)
@@ -108,16 +132,7 @@ def _splitk_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, residual_ptr, norm_w_ptr, re
         ss = tl.sum(tl.load(ss_ptr + pid_n * KSPLIT * ROWS + ks[:, None] * ROWS + rows[None, :], mask=used,
                             other=0.0), 0)
         tl.store(count_ptr + pid_n, 0)
-    if NORM:
-        acc = acc * tl.rsqrt(ss / K + eps)[:, None]
-    y = acc + bias[None, :]
-    dtype = out_ptr.dtype.element_ty
-    if SILU_AND_MUL:
-        gate, up = tl.split(tl.reshape(y, [ROWS, BLOCK_N // 2, 2]))
-        gate = gate.to(dtype).to(tl.float32)
-        y = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up.to(dtype).to(tl.float32)
-    tl.store(out_ptr + rows[:, None] * stride_om + outs[None, :], y.to(dtype),
-             mask=(rows[:, None] < M) & (outs[None, :] < N))
+    store_outputs(acc, ss, bias, out_ptr, rows, outs, M, N, K, eps, stride_om, NORM, SILU_AND_MUL, ROWS, BLOCK_N)
 
 
 CONFIG = dict(dot=True, block_n=64, tile=16384, warps=4, reduce=0)  # set by the sweep
@@ -166,8 +181,9 @@ def chain(x, weights, q_width, product):
     return product(add_rms_norm(h, residual, norm_w, 1e-6)[0], head)
 
 
-def check(device: str) -> int:
-    """splitk against F.linear (and the MLP's activation) on the same inputs; returns the failures."""
+def check(device: str, product) -> int:
+    """product (splitk, tools/bench_tc.py's tc) against F.linear (and the MLP's activation) on the same
+    inputs; returns the failures."""
     failures = 0
     for dtype in (torch.bfloat16, torch.float32) if device == "cuda" else (torch.float32,):
         for rows, n, k, silu, norm in [(r, n, k, s, nm) for r in (1, 3, 16) for n, k in ((40, 24), (96, 1000))
@@ -184,11 +200,11 @@ def check(device: str) -> int:
                 ref = (F.silu(gate).to(dtype).float() * up)
             to = lambda t: None if t is None else t.to(device)
             r_out = torch.full((rows, k), float("nan"), dtype=dtype, device=device) if norm else None
-            out = splitk(to(x), to(w), to(b), silu, to(norm_w), 1e-6, to(r), r_out).cpu().float()
+            out = product(to(x), to(w), to(b), silu, to(norm_w), 1e-6, to(r), r_out).cpu().float()
             err = ((out - ref).norm() / ref.norm()).item()
             if err > (2e-2 if dtype == torch.bfloat16 else 1e-4) or (norm and not torch.equal(r_out.cpu(), x + r)):
                 failures += 1
-                print(f"FAIL {CONFIG} {dtype} rows {rows} n {n} k {k} silu {silu} norm {norm}: rel err {err:.1e}")
+                print(f"FAIL {product.__name__} {dtype} rows {rows} n {n} k {k} silu {silu} norm {norm}: rel err {err:.1e}")
     return failures
 
 
@@ -198,20 +214,23 @@ def parse_config(text: str) -> dict:
     return dict(dot=kind == "d", block_n=block_n, tile=tile, warps=warps, reduce=reduce)
 
 
-if __name__ == "__main__":
+def main(product, config: dict, parse, default_configs: str, argv=None, check_overrides=None) -> None:
+    """The command line of this tool and of tools/bench_tc.py: `product`'s check (for each config parsed by
+    `parse` into `config`, with check_overrides), then the chain per shape and row count, GEMV first."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", default="qwen3-8b", help=f"comma-separated: {', '.join(SHAPES)}")
     parser.add_argument("--rows", default="1,2,4,8")
-    parser.add_argument("--configs", default="d64/16384/4,d32/8192/4,f32/8192/4,f8/8192/4")
+    parser.add_argument("--configs", default=default_configs)
     parser.add_argument("--check", action="store_true")
-    args = parser.parse_args()
-    configs = [parse_config(c) for c in args.configs.split(",")]
+    args = parser.parse_args(argv)
+    texts = args.configs.split(",")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.check:
         failures = 0
-        for config in configs:
-            CONFIG.update(config, reduce=0)
-            failures += check(device)
+        for text in texts:
+            config.update(parse(text), **(check_overrides or {}))
+            failures += (config_failures := check(device, product))
+            print(f"check {text}: {config_failures} failures")
         print(f"check: {failures} failures")
     for shape in args.shape.split(",") if device == "cuda" else []:
         hidden, qkv, q, inter, layers = SHAPES[shape]
@@ -222,11 +241,15 @@ if __name__ == "__main__":
             x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
             ms, ref = time_graph(lambda x: chain(x, weights, q, gemv), x)
             line = f"{shape} rows {rows:2d}: gemv {ms:.3f} ms"
-            for text, config in zip(args.configs.split(","), configs):
-                CONFIG.update(config)
-                ms, out = time_graph(lambda x: chain(x, weights, q, splitk), x)
+            for text in texts:
+                config.update(parse(text))
+                ms, out = time_graph(lambda x: chain(x, weights, q, product), x)
                 err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
                 line += f" | {text} {ms:.3f} (vs gemv {err:.0e})"
             print(line, flush=True)
         del weights
         torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main(splitk, CONFIG, parse_config, "d64/16384/4,d32/8192/4,f32/8192/4,f8/8192/4", check_overrides=dict(reduce=0))

@@ -66,7 +66,11 @@ path the count is rounded down instead: its programs take 212 registers a thread
 at 8 warps, one to an SM, so rounding up made a third, partial wave (batch 4 with
 8 KV heads: 9 splits, 288 programs on an H100's 132 SMs). Rounded down (8 splits):
 Qwen3-0.6B batch 4 at context 4000 took 2.167 ms per step against 2.530, Qwen3-8B
-7.745 against 8.170; batch 1-3, and context 512, the same (H100, one call).
+7.745 against 8.170; batch 1-3, and context 512, the same (H100, one call). Half as
+many splits on the fused path (one wave of one program to an SM) helped where that count holds
+and hurt where it does not: Qwen3-8B batch 4 at context 512 / 4000 4.699 / 5.814 ms per step
+against 4.773 / 5.865, Llama-3.2-1B 1.055 / 1.460 against 1.049 / 1.294 (H200, one call per shape;
+not kept). Its programs (head_dim 64) presumably fit more than one to an SM; not checked.
 
 CUDA graphs. The kernel is captured once and replayed with other context
 lengths, so everything that shapes the launch (grid, scratch buffers) is
