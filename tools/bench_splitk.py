@@ -214,7 +214,7 @@ def parse_config(text: str) -> dict:
     return dict(dot=kind == "d", block_n=block_n, tile=tile, warps=warps, reduce=reduce)
 
 
-def main(product, config: dict, parse, default_configs: str, argv=None, check_overrides=None) -> None:
+def main(product, config: dict, parse, default_configs: str, check_overrides=None) -> None:
     """The command line of this tool and of tools/bench_tc.py: `product`'s check (for each config parsed by
     `parse` into `config`, with check_overrides), then the chain per shape and row count, GEMV first."""
     parser = argparse.ArgumentParser()
@@ -222,7 +222,7 @@ def main(product, config: dict, parse, default_configs: str, argv=None, check_ov
     parser.add_argument("--rows", default="1,2,4,8")
     parser.add_argument("--configs", default=default_configs)
     parser.add_argument("--check", action="store_true")
-    args = parser.parse_args(argv)
+    args = parser.parse_args()
     texts = args.configs.split(",")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.check:

@@ -1,7 +1,7 @@
 """A tensor-core product for 2-16 rows that walks K itself (no split K), in the GEMV's chain and in the engine.
 
     PYTHONPATH=. python tools/bench_tc.py --check --shape qwen3-8b --rows 1,4 [--configs 64/256/4/4]
-    PYTHONPATH=. python tools/bench_tc.py --engine qwen3-8b [--batches 1,2,3,4,8,16]
+    PYTHONPATH=. python tools/bench_tc.py --engine --shape qwen3-8b --decode-sweep --sweep-max-bs 16
 
 The kernel. tools/bench_splitk.py showed that tensor cores make extra rows almost free but that a
 last-arriver reduction of split-K partials costs 1.6-2.1 ms a chain. Here a program owns BLOCK_N
@@ -21,12 +21,11 @@ best; 64/256/4/3 4.481 / 4.560, 64/256/8/4 5.352 / 5.610, 64/128/4/4 5.815 / 5.9
 6.725 / 6.716, 32/256/4/4 8.586 / 8.826, 16/256/4/4 13.530 / 13.457. README ("Decode step by batch
 size") has the engine figures. Not used by the engine.
 
---engine builds bench.py's engine for a shape with every decode product of 2..16 rows on this
-kernel (1 row stays on the GEMV; LoRA steps too) and prints the graph step time per batch
-(context 512, best of 3 x 30 steps), like bench.py --decode-sweep.
+--engine runs bench.py with the arguments that follow, every decode product of 2..16 rows on this
+kernel (1 row stays on the GEMV; LoRA steps too). README's engine figures were timed by the same
+`time_forward` as --decode-sweep, the best of 3 x 30 steps at context 512.
 """
-import argparse
-import tempfile
+import sys
 
 import torch
 import triton
@@ -88,9 +87,9 @@ def tc(x, weight, bias=None, silu_and_mul=False, norm_weight=None, eps=0.0, resi
     return out
 
 
-def engine_sweep(shape: str, batches: list[int]) -> None:
-    """bench.py's engine for `shape` with products of 2..16 rows on tc: graph step time per batch."""
-    import bench  # the repository root is on PYTHONPATH
+def route_decode_products_to_tc() -> None:
+    """From now on, engines built in this process run every decode product of 2..16 rows on tc (one
+    row stays on the GEMV, and so do LoRA steps)."""
     from nanograph.kernels import gemv as gemv_module
     from nanograph.layers import linear as linear_module
     from nanograph.models import decoder
@@ -105,14 +104,6 @@ def engine_sweep(shape: str, batches: list[int]) -> None:
         return tc(x, weight, bias, silu_and_mul, norm_weight, eps, residual, residual_out)
 
     gemv_module.gemv = product  # layers/linear.py imports it at each call
-    args = bench.parse_args(["--shape", shape, "--decode-sweep", "--sweep-max-bs", str(max(batches))])
-    with tempfile.TemporaryDirectory() as tmp:
-        setup = bench.build_setup(args, tmp, shape)
-        with bench.sweep_engine(setup, batches) as llm:
-            times = [min(bench.time_forward(llm.runner, bench.decode_step(b, 512, llm.runner.block_size),
-                                            setup.device, 30) for _ in range(3)) * 1e3 for b in batches]
-    print(f"{shape}, products of 2..16 rows on tc: " + " / ".join(f"{t:.3f}" for t in times)
-          + f" ms per graph step at batch {' / '.join(map(str, batches))}")
 
 
 def parse_config(text: str) -> dict:
@@ -120,11 +111,9 @@ def parse_config(text: str) -> dict:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--engine", help="a bench.py shape: the engine sweep instead of the chain")
-    parser.add_argument("--batches", default="1,2,3,4,8,16")
-    args, rest = parser.parse_known_args()
-    if args.engine:
-        engine_sweep(args.engine, [int(b) for b in args.batches.split(",")])
+    if sys.argv[1:2] == ["--engine"]:
+        import bench  # the repository root is on PYTHONPATH
+        route_decode_products_to_tc()
+        bench.main(sys.argv[2:])
     else:
-        main(tc, CONFIG, parse_config, "64/256/4/4", rest)
+        main(tc, CONFIG, parse_config, "64/256/4/4")
