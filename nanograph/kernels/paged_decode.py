@@ -55,22 +55,40 @@ their own first) made it a chain of ~10 dependent L2 reads at batch 1. Measured
 0.690 / 0.861 / 1.243 / 1.299 ms per step against 0.695 / 0.882 / 1.245 / 1.307,
 Qwen3-8B 5.221 / 6.273 / 6.617 / 6.651 against 5.261 / 6.348 / 6.637 / 6.678.
 
-We aim for ``B * Hkv * num_splits >= 2 * SMs`` (two waves' worth of programs,
-so the tail of uneven splits is hidden), never more splits than the block table
-has key tiles; large batches need no splitting (``num_splits`` drops to 1 once
-``B * Hkv >= 2 * SMs``). ``num_splits`` shapes the grid, so it is static, but
-each sequence divides its *own* tiles among the splits (``tiles_per_split =
-ceil(num_tiles / num_splits)``, computed in the kernel from its context length):
-a short context in a wide block table still spreads over all splits. On the fused
-path the count is rounded down instead: its programs take 212 registers a thread
-at 8 warps, one to an SM, so rounding up made a third, partial wave (batch 4 with
-8 KV heads: 9 splits, 288 programs on an H100's 132 SMs). Rounded down (8 splits):
-Qwen3-0.6B batch 4 at context 4000 took 2.167 ms per step against 2.530, Qwen3-8B
-7.745 against 8.170; batch 1-3, and context 512, the same (H100, one call). Half as
-many splits on the fused path (one wave of one program to an SM) helped where that count holds
-and hurt where it does not: Qwen3-8B batch 4 at context 512 / 4000 4.699 / 5.814 ms per step
-against 4.773 / 5.865, Llama-3.2-1B 1.055 / 1.460 against 1.049 / 1.294 (H200, one call per shape;
-not kept). Its programs (head_dim 64) presumably fit more than one to an SM; not checked.
+On the split path we aim for ``B * Hkv * num_splits >= 2 * SMs`` (two waves'
+worth of programs, so the tail of uneven splits is hidden), never more splits
+than the block table has key tiles; large batches need no splitting
+(``num_splits`` drops to 1 once ``B * Hkv >= 2 * SMs``). ``num_splits`` shapes
+the grid, so it is static, but each sequence divides its *own* tiles among the
+splits (``tiles_per_split = ceil(num_tiles / num_splits)``, computed in the
+kernel from its context length): a short context in a wide block table still
+spreads over all splits.
+
+The fused path aims for one wave instead: as many programs as the SMs hold at
+once, rounded down. Its programs are register-bound (8 warps; ptxas for sm_90
+gives them 253-255 registers a thread at head_dim 128 with the device's Triton
+3.6, so one program to an SM, and 121 at head_dim 64, so two), and a program of
+a second wave only starts once one of the first is done, which the merge then
+waits for. (Rounding up made a third, partial wave: batch 4 with 8 KV heads, 9
+splits of two waves, 288 programs on an H100's 132 SMs; rounded down, Qwen3-0.6B
+batch 4 at context 4000 took 2.167 ms per step against 2.530, H100.) One wave
+against two waves of one program to an SM, the rule before (H200, bench's
+decode step in one call per shape, ms at batch 1 / 2 / 3 / 4):
+
+| shape | context | one wave | two waves |
+| --- | ---: | --- | --- |
+| Qwen3-0.6B | 512 | 0.570 / 0.757 / 1.127 / 1.171 | 0.572 / 0.770 / 1.189 / 1.229 |
+| Qwen3-0.6B | 4000 | 0.844 / 1.215 / 1.827 / 2.045 | 0.947 / 1.292 / 1.857 / 2.102 |
+| Qwen3-8B | 512 | 3.979 / 4.663 / 4.737 / 4.767 | 3.928 / 4.662 / 4.838 / 4.859 |
+| Qwen3-8B | 4000 | 4.284 / 5.272 / 5.638 / 5.894 | 4.427 / 5.374 / 5.708 / 5.962 |
+| Llama-3.1-8B | 512 | 3.825 / 4.386 / 4.475 / 4.505 | 3.829 / 4.444 / 4.538 / 4.625 |
+| Llama-3.1-8B | 4000 | 4.085 / 4.902 / 5.240 / 5.457 | 4.186 / 5.011 / 5.296 / 5.532 |
+
+Only Qwen3-8B at batch 1 and context 512 is slower, by 0.6-1.3% (a second call,
+two engines of each: 3.975 / 3.985 against 3.951 / 3.957, and batch 4 4.761 /
+4.780 against 4.837 / 4.846). At head_dim 64 (Llama-3.2-1B) one program to an SM, that is half the
+splits, cost up to 13% at context 4000 (1.460 ms per step at batch 4 against
+1.294): there the rule keeps two.
 
 CUDA graphs. The kernel is captured once and replayed with other context
 lengths, so everything that shapes the launch (grid, scratch buffers) is
@@ -272,6 +290,11 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
+def _fused_programs_per_sm(d_pad: int) -> int:
+    """The fused-path programs an SM's registers hold at once (see above)."""
+    return 2 if d_pad <= 64 else 1
+
+
 @functools.cache  # never evicted: a captured graph keeps using the buffer it was captured with
 def _arrival_counters(device: torch.device, size: int) -> torch.Tensor:
     """One zeroed int32 per (sequence, KV head); the merging program puts its entry back to 0.
@@ -295,9 +318,10 @@ def paged_decode_attention(q, k, v, positions, slot_mapping, cos, sin, q_weight,
     # Keep the K and V tiles of one step within ~32 KB each, even at head_dim 256.
     block_n = min(block_size, KEYS_PER_TILE if d_pad <= 128 else KEYS_PER_TILE // 2)
     num_tiles = block_tables.shape[1] * block_size // block_n
-    # From static shapes only, never more splits than key tiles: two waves of programs over the SMs,
-    # rounded down on the fused path (see above), up on the split path.
-    fused, pairs, programs = batch <= FUSED_MAX_BATCH, batch * num_kv_heads, 2 * _sm_count(q.device)
+    # From static shapes only, never more splits than key tiles: on the split path two waves of
+    # programs over the SMs, rounded up; on the fused path one wave, rounded down (see above).
+    fused, pairs, sms = batch <= FUSED_MAX_BATCH, batch * num_kv_heads, _sm_count(q.device)
+    programs = _fused_programs_per_sm(d_pad) * sms if fused else 2 * sms
     num_splits = max(1, min(programs // pairs if fused else triton.cdiv(programs, pairs), num_tiles))
 
     o_part = torch.empty(batch, num_q_heads, num_splits, d_pad, dtype=torch.float32, device=q.device)
