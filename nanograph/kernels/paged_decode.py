@@ -86,9 +86,11 @@ decode step in one call per shape, ms at batch 1 / 2 / 3 / 4):
 
 Only Qwen3-8B at batch 1 and context 512 is slower, by 0.6-1.3% (a second call,
 two engines of each: 3.975 / 3.985 against 3.951 / 3.957, and batch 4 4.761 /
-4.780 against 4.837 / 4.846). At head_dim 64 (Llama-3.2-1B) one program to an SM, that is half the
-splits, cost up to 13% at context 4000 (1.460 ms per step at batch 4 against
-1.294): there the rule keeps two.
+4.780 against 4.837 / 4.846). At head_dim 64 (Llama-3.2-1B) one program to an
+SM, that is half the splits, cost up to 13% at context 4000 (1.460 ms per step
+at batch 4 against 1.294): there the rule keeps two. On an H100, at an earlier
+commit, one wave measured up to 23% slower on Qwen3-0.6B at context 4000
+(README, "How batch 1 got to 0.70 ms"); not measured there since.
 
 CUDA graphs. The kernel is captured once and replayed with other context
 lengths, so everything that shapes the launch (grid, scratch buffers) is
@@ -98,8 +100,8 @@ first tile is past the sequence's end returns right after its PDL wait (fewer
 tiles than splits), and the merge only reads the ``ceil(num_tiles /
 tiles_per_split)`` splits that did work. A padded row (context_len 0) has no
 working splits and reads no K/V; its split 0 writes a zero output. (At batch 1
-and context 512, 25 of the 33 splits per KV head are idle and hold their
-registers until the QKV GEMV completes. Letting them return without waiting,
+and context 512, 25 of the 33 splits per KV head were idle under the two-wave
+rule, 8 of 16 now, and hold their registers until the QKV GEMV completes. Letting them return without waiting,
 which the working splits' waits allow, measured no faster: Qwen3-0.6B batch 1-4
 0.689 / 0.865 / 1.241 / 1.293 ms against 0.690 / 0.862 / 1.242 / 1.293, H100. Having
 them, after the wait, ask L2 for the layer's MLP weights (prefetch.global.L2, a
