@@ -101,8 +101,9 @@ tiles than splits), and the merge only reads the ``ceil(num_tiles /
 tiles_per_split)`` splits that did work. A padded row (context_len 0) has no
 working splits and reads no K/V; its split 0 writes a zero output. (At batch 1
 and context 512, 25 of the 33 splits per KV head were idle under the two-wave
-rule, 8 of 16 now, and hold their registers until the QKV GEMV completes. Letting them return without waiting,
-which the working splits' waits allow, measured no faster: Qwen3-0.6B batch 1-4
+rule, 8 of 16 now, and hold their registers until the QKV GEMV completes.
+Letting them return without waiting, which the working splits' waits allow,
+measured no faster: Qwen3-0.6B batch 1-4
 0.689 / 0.865 / 1.241 / 1.293 ms against 0.690 / 0.862 / 1.242 / 1.293, H100. Having
 them, after the wait, ask L2 for the layer's MLP weights (prefetch.global.L2, a
 share each), so that DRAM works during attention's dependent chain, made batch 1
@@ -249,10 +250,10 @@ def _decode_kernel(
                                BLOCK_SIZE, BLOCK_N, HALF_PAD, D_PAD)
         wait_for_previous_kernel(PDL)
 
-        q1, q2, _, _ = norm_rotate(q_ptr + seq * stride_qb + kv_head * GROUP * stride_qh, stride_qh, GROUP, q_w_ptr,
-                             eps, cos, sin, half, HAS_NORM, GROUP_PAD, HALF_PAD)
-        k_new1, k_new2, _, _ = norm_rotate(k_ptr + seq * stride_kb + kv_head * stride_kh, stride_kh, 1, k_w_ptr, eps,
-                                     cos, sin, half, HAS_NORM, 1, HALF_PAD)  # [1, HALF_PAD] each
+        q1, q2, _, _ = norm_rotate(q_ptr + seq * stride_qb + kv_head * GROUP * stride_qh, stride_qh, GROUP,
+                                   q_w_ptr, eps, cos, sin, half, HAS_NORM, GROUP_PAD, HALF_PAD)
+        k_new1, k_new2, _, _ = norm_rotate(k_ptr + seq * stride_kb + kv_head * stride_kh, stride_kh, 1, k_w_ptr,
+                                           eps, cos, sin, half, HAS_NORM, 1, HALF_PAD)  # [1, HALF_PAD] each
         v_new = tl.load(v_ptr + seq * stride_vb + kv_head * stride_vh + dims[None, :], mask=dim_mask[None, :])
         new_key = context_len - 1
         slot = tl.load(slot_ptr + seq).to(tl.int64)  # int64: slot * stride exceeds 2**31 in big caches
