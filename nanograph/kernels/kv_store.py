@@ -11,7 +11,9 @@ batch goes one step further: paged_decode.py does this inside the attention kern
 The cache of one layer is ``[num_blocks, block_size, num_kv_heads, head_dim]`` and contiguous,
 so a slot ``s`` is row ``s`` of the cache viewed as ``[num_blocks * block_size, num_kv_heads,
 head_dim]``: the kernel never needs the block size. Rotary pairs channel i with i + head_dim/2
-(the "rotate half" layout of HF's Llama/Qwen), so each head is handled as its two halves.
+(the "rotate half" layout of HF's Llama/Qwen): channel i of the first half becomes x_i cos - x_j
+sin, its partner j = i + head_dim/2 becomes x_j cos + x_i sin. So each head is loaded twice, as it
+is and with its halves swapped, and rotated whole: x cos + swapped(x) (-sin | +sin).
 
 Rounding follows the torch path (layers/rotary.py, layers/norm.py): the norm is computed in
 float32, rounded to the model dtype and scaled by the weight; cos/sin are rounded to the model
@@ -30,24 +32,33 @@ from nanograph.kernels.pdl import launch_options, wait_for_previous_kernel
 
 
 @triton.jit
+def rotary_angles(cos_ptr, sin_ptr, pos, stride_rope, half, D_PAD: tl.constexpr):
+    """cos and sin [1, D_PAD] of position pos for every channel (channels i and i + half share one)."""
+    dims = tl.arange(0, D_PAD)[None, :]
+    offs = pos * stride_rope + dims % half
+    return tl.load(cos_ptr + offs, mask=dims < 2 * half), tl.load(sin_ptr + offs, mask=dims < 2 * half)
+
+
+@triton.jit
 def norm_rotate(ptr, stride_h, num_heads, w_ptr, eps, cos, sin, half,
-                 HAS_NORM: tl.constexpr, H_PAD: tl.constexpr, HALF_PAD: tl.constexpr):
-    """Both halves [H_PAD, HALF_PAD] of every head at ptr, normed (optionally) and rotated; then the
-    head index [H_PAD, 1] and the mask they were loaded with, to store them back."""
+                HAS_NORM: tl.constexpr, H_PAD: tl.constexpr, D_PAD: tl.constexpr):
+    """Every head at ptr [H_PAD, D_PAD], normed (optionally) and rotated (cos, sin: rotary_angles');
+    then the head index [H_PAD, 1], the channels [1, D_PAD] and the mask it was loaded with, to
+    store it back."""
     heads = tl.arange(0, H_PAD)[:, None]
-    dims = tl.arange(0, HALF_PAD)[None, :]
-    mask = (heads < num_heads) & (dims < half)
-    x1 = tl.load(ptr + heads * stride_h + dims, mask=mask, other=0.0)
-    x2 = tl.load(ptr + heads * stride_h + half + dims, mask=mask, other=0.0)
-    dtype = x1.dtype
+    dims = tl.arange(0, D_PAD)[None, :]
+    partner = (dims + half) % (2 * half)  # rotary turns the pair (i, i + half): each channel needs the other
+    mask = (heads < num_heads) & (dims < 2 * half)
+    x = tl.load(ptr + heads * stride_h + dims, mask=mask, other=0.0)
+    x_partner = tl.load(ptr + heads * stride_h + partner, mask=mask, other=0.0)
+    dtype = x.dtype
     if HAS_NORM:
-        a, b = x1.to(tl.float32), x2.to(tl.float32)
-        inv_rms = tl.rsqrt((tl.sum(a * a, 1) + tl.sum(b * b, 1)) / (2 * half) + eps)[:, None]
-        w1 = tl.load(w_ptr + dims, mask=dims < half)
-        w2 = tl.load(w_ptr + half + dims, mask=dims < half)
-        x1, x2 = w1 * (a * inv_rms).to(dtype), w2 * (b * inv_rms).to(dtype)
+        a, b = x.to(tl.float32), x_partner.to(tl.float32)
+        inv_rms = tl.rsqrt(tl.sum(a * a, 1) / (2 * half) + eps)[:, None]
+        x = tl.load(w_ptr + dims, mask=dims < 2 * half) * (a * inv_rms).to(dtype)
+        x_partner = tl.load(w_ptr + partner, mask=dims < 2 * half) * (b * inv_rms).to(dtype)
     cos, sin = cos.to(dtype), sin.to(dtype)
-    return x1 * cos - x2 * sin, x2 * cos + x1 * sin, heads, mask
+    return x * cos + x_partner * tl.where(dims < half, -sin, sin), heads, dims, mask
 
 
 @triton.jit
@@ -56,33 +67,25 @@ def _rotate_and_store_kernel(
     q_out_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh,
     stride_rope, stride_cache_slot, stride_cache_head, num_q_heads, num_kv_heads, half,
-    HAS_NORM: tl.constexpr, HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr, HALF_PAD: tl.constexpr,
-    PDL: tl.constexpr,
+    HAS_NORM: tl.constexpr, HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr, D_PAD: tl.constexpr, PDL: tl.constexpr,
 ):
     token = tl.program_id(0)
-    pos = tl.load(pos_ptr + token)
-    dims = tl.arange(0, HALF_PAD)[None, :]
-    cos = tl.load(cos_ptr + pos * stride_rope + dims, mask=dims < half)  # [1, HALF_PAD]
-    sin = tl.load(sin_ptr + pos * stride_rope + dims, mask=dims < half)
+    cos, sin = rotary_angles(cos_ptr, sin_ptr, tl.load(pos_ptr + token), stride_rope, half, D_PAD)
     wait_for_previous_kernel(PDL)  # positions and the tables are inputs; q, k, v are not
 
-    q1, q2, heads, mask = norm_rotate(q_ptr + token * stride_qn, stride_qh, num_q_heads, q_w_ptr, eps, cos, sin,
-                                      half, HAS_NORM, HQ_PAD, HALF_PAD)
-    tl.store(q_out_ptr + token * stride_on + heads * stride_oh + dims, q1, mask=mask)
-    tl.store(q_out_ptr + token * stride_on + heads * stride_oh + half + dims, q2, mask=mask)
+    q, heads, dims, mask = norm_rotate(q_ptr + token * stride_qn, stride_qh, num_q_heads, q_w_ptr, eps, cos, sin,
+                                       half, HAS_NORM, HQ_PAD, D_PAD)
+    tl.store(q_out_ptr + token * stride_on + heads * stride_oh + dims, q, mask=mask)
 
     # int64: slot * stride_cache_slot exceeds 2**31 for caches above 2G elements.
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot < 0:
         return
-    k1, k2, heads, mask = norm_rotate(k_ptr + token * stride_kn, stride_kh, num_kv_heads, k_w_ptr, eps, cos, sin,
-                                      half, HAS_NORM, HKV_PAD, HALF_PAD)
+    k, heads, dims, mask = norm_rotate(k_ptr + token * stride_kn, stride_kh, num_kv_heads, k_w_ptr, eps, cos, sin,
+                                       half, HAS_NORM, HKV_PAD, D_PAD)
     dst = slot * stride_cache_slot + heads * stride_cache_head + dims
-    v_src = v_ptr + token * stride_vn + heads * stride_vh + dims
-    tl.store(k_cache_ptr + dst, k1, mask=mask)
-    tl.store(k_cache_ptr + dst + half, k2, mask=mask)
-    tl.store(v_cache_ptr + dst, tl.load(v_src, mask=mask), mask=mask)
-    tl.store(v_cache_ptr + dst + half, tl.load(v_src + half, mask=mask), mask=mask)
+    tl.store(k_cache_ptr + dst, k, mask=mask)
+    tl.store(v_cache_ptr + dst, tl.load(v_ptr + token * stride_vn + heads * stride_vh + dims, mask=mask), mask=mask)
 
 
 def rotate_and_store(q, k, v, positions, cos, sin, q_weight, k_weight, eps: float,
@@ -104,7 +107,7 @@ def rotate_and_store(q, k, v, positions, cos, sin, q_weight, k_weight, eps: floa
         q_out.stride(0), q_out.stride(1), cos.stride(0), k_cache.stride(1), k_cache.stride(2),
         num_q_heads, num_kv_heads, head_dim // 2,
         HAS_NORM=has_norm, HQ_PAD=triton.next_power_of_2(num_q_heads),
-        HKV_PAD=triton.next_power_of_2(num_kv_heads), HALF_PAD=triton.next_power_of_2(head_dim // 2),
+        HKV_PAD=triton.next_power_of_2(num_kv_heads), D_PAD=triton.next_power_of_2(head_dim),
         **launch_options(q.device),
     )
     return q_out

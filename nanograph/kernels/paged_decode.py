@@ -20,11 +20,15 @@ compiles to its own specialization, so neither carries the other's code):
   is loaded *before* waiting for them (pdl.py).
 - split (larger batches), after kv_store.rotate_and_store: q is already rotated
   and every key is in the cache, so the program waits as soon as it has its
-  context length. With hundreds of programs in flight there is no latency to
-  hide, and the fused path's extra registers cost more than the launch it saves
-  (measured with 4 warps: batch 64 at context 512 took 2.96 ms per step fused,
-  2.46 ms split).
-Both share the program setup, the split-KV plan, the idle-split exit and the merge below.
+  context length, and loads every tile inside the loop, which Triton software-pipelines
+  (cp.async, NUM_STAGES). The fused path loads its first tile before the loop and the others
+  under a condition, and such a loop is not pipelined (its PTX has no cp.async). With hundreds of
+  programs in flight there is no latency to hide and the pipeline is what counts. Measured (H200,
+  context 2048, ms per step at batch 8 / 32 / 256): the fused path at every batch took 2.062 /
+  5.021 / 33.081 on Qwen3-0.6B against 1.593 / 2.933 / 15.725 split, 6.157 / 9.820 / 47.166 on
+  Qwen3-8B against 5.611 / 7.202 / 25.122; the split path with the fused path's loop, 1.687 /
+  3.712 / 17.830 on Qwen3-0.6B.
+Both share the program setup, the split-KV plan, the idle-split exit, the tile loop and the merge below.
 
 GQA grouping. The ``G = Hq // Hkv`` query heads of one KV head read exactly the
 same keys, so one program handles the whole group: it loads each K/V tile once
@@ -118,14 +122,14 @@ import torch
 import triton
 import triton.language as tl
 
-from nanograph.kernels.kv_store import norm_rotate, rotate_and_store
+from nanograph.kernels.kv_store import norm_rotate, rotary_angles, rotate_and_store
 from nanograph.kernels.pdl import launch_options, wait_for_previous_kernel
-from nanograph.kernels.tiles import load_kv_tile, online_softmax_step, tile_offsets
+from nanograph.kernels.tiles import load_kv_tile, online_softmax_step
 
 # Launch shape of the split path, measured with tools/tune_decode.py (H100, batch 256, context 1024).
 KEYS_PER_TILE, NUM_WARPS, NUM_STAGES = 64, 4, 2
 FUSED_MAX_BATCH = 4  # the batch sizes whose decode step is a latency-bound kernel chain
-# The fused path holds more per program (rotary halves, the new row); with 4 warps a batch-1
+# The fused path holds more per program (rotary angles, the new row); with 4 warps a batch-1
 # step took 0.72 ms, with 8 warps 0.66 ms (H100, Qwen3-0.6B shape, context 512).
 FUSED_NUM_WARPS = 8
 MERGE_SPLITS = tl.constexpr(8)  # partials the merge loads at once ([16, 8, 128] fp32: 64 registers a thread)
@@ -168,38 +172,6 @@ def _store_partial_and_merge(acc, m_i, l_i, seq, kv_head, split, num_splits, num
 
 
 @triton.jit
-def _load_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, tile, kv_head, context_len, half,
-               stride_bt, stride_cache_block, stride_cache_slot, stride_cache_head,
-               BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HALF_PAD: tl.constexpr, D_PAD: tl.constexpr):
-    """Keys of a tile as their two rotary halves [BLOCK_N, HALF_PAD], values whole [BLOCK_N, D_PAD]."""
-    keys = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    block = tl.load(block_tables_ptr + seq * stride_bt + tile * BLOCK_N // BLOCK_SIZE)
-    offs = tile_offsets(block, keys, kv_head, stride_cache_block, stride_cache_slot, stride_cache_head,
-                        BLOCK_SIZE)[:, None]
-    in_context = (keys < context_len)[:, None]
-    half_dims = tl.arange(0, HALF_PAD)[None, :]
-    dims = tl.arange(0, D_PAD)[None, :]
-    k1 = tl.load(k_cache_ptr + offs + half_dims, mask=in_context & (half_dims < half), other=0.0)
-    k2 = tl.load(k_cache_ptr + offs + half + half_dims, mask=in_context & (half_dims < half), other=0.0)
-    v = tl.load(v_cache_ptr + offs + dims, mask=in_context & (dims < 2 * half), other=0.0)
-    return k1, k2, v
-
-
-@triton.jit
-def _attend_tile(q1, q2, k1, k2, v, k_new1, k_new2, v_new, tile, new_key, context_len, scale, m_i, l_i, acc,
-                 BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Fold one tile of keys into the running softmax; the new token's row comes from registers."""
-    keys = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    is_new = (keys == new_key)[:, None]  # its cache row is stale (or not yet written)
-    k1, k2, v = tl.where(is_new, k_new1, k1), tl.where(is_new, k_new2, k2), tl.where(is_new, v_new, v)
-    scores = tl.dot(q1, tl.trans(k1), input_precision=DOT_PRECISION)
-    scores = (scores + tl.dot(q2, tl.trans(k2), input_precision=DOT_PRECISION)) * scale
-    scores = tl.where((keys < context_len)[None, :], scores, float("-inf"))  # [GROUP_PAD, BLOCK_N]
-    # Every tile in range holds at least one real key, so the running max stays finite.
-    return online_softmax_step(scores, v, m_i, l_i, acc, DOT_PRECISION)
-
-
-@triton.jit
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, q_w_ptr, k_w_ptr, eps,
     k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
@@ -207,8 +179,8 @@ def _decode_kernel(
     stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_rope,
     stride_cache_block, stride_cache_slot, stride_cache_head, stride_bt, stride_ob, stride_oh, half,
     FUSED: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, HALF_PAD: tl.constexpr, D_PAD: tl.constexpr,
-    HAS_NORM: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, D_PAD: tl.constexpr, HAS_NORM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """FUSED: q, k, v as the projection made them, normed, rotated and stored here. Otherwise q is
     already rotated and every key, the new one too, is in the cache: the rotary and new-token
@@ -240,48 +212,38 @@ def _decode_kernel(
     l_i = tl.zeros([GROUP_PAD], tl.float32)  # running sum of exp
     acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
 
+    table = block_tables_ptr + seq * stride_bt  # BLOCK_N divides BLOCK_SIZE: a tile sits in one cache block
     if FUSED:
-        half_dims = tl.arange(0, HALF_PAD)[None, :]
-        pos = tl.load(pos_ptr + seq)
-        cos = tl.load(cos_ptr + pos * stride_rope + half_dims, mask=half_dims < half)  # [1, HALF_PAD]
-        sin = tl.load(sin_ptr + pos * stride_rope + half_dims, mask=half_dims < half)
-        k1, k2, v = _load_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, tile_begin, kv_head, context_len,
-                               half, stride_bt, stride_cache_block, stride_cache_slot, stride_cache_head,
-                               BLOCK_SIZE, BLOCK_N, HALF_PAD, D_PAD)
+        keys, k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, table, tile_begin * BLOCK_N, context_len, kv_head, dims,
+                                  dim_mask, stride_cache_block, stride_cache_slot, stride_cache_head, BLOCK_SIZE,
+                                  BLOCK_N)
+        cos, sin = rotary_angles(cos_ptr, sin_ptr, tl.load(pos_ptr + seq), stride_rope, half, D_PAD)
         wait_for_previous_kernel(PDL)
-
-        q1, q2, _, _ = norm_rotate(q_ptr + seq * stride_qb + kv_head * GROUP * stride_qh, stride_qh, GROUP,
-                                   q_w_ptr, eps, cos, sin, half, HAS_NORM, GROUP_PAD, HALF_PAD)
-        k_new1, k_new2, _, _ = norm_rotate(k_ptr + seq * stride_kb + kv_head * stride_kh, stride_kh, 1, k_w_ptr,
-                                           eps, cos, sin, half, HAS_NORM, 1, HALF_PAD)  # [1, HALF_PAD] each
-        v_new = tl.load(v_ptr + seq * stride_vb + kv_head * stride_vh + dims[None, :], mask=dim_mask[None, :])
-        new_key = context_len - 1
+        q, _, _, _ = norm_rotate(q_ptr + seq * stride_qb + kv_head * GROUP * stride_qh, stride_qh, GROUP, q_w_ptr, eps,
+                                 cos, sin, half, HAS_NORM, GROUP_PAD, D_PAD)
+        k_new, _, _, new_mask = norm_rotate(k_ptr + seq * stride_kb + kv_head * stride_kh, stride_kh, 1, k_w_ptr, eps,
+                                            cos, sin, half, HAS_NORM, 1, D_PAD)  # [1, D_PAD]
+        v_new = tl.load(v_ptr + seq * stride_vb + kv_head * stride_vh + dims[None, :], mask=new_mask)
         slot = tl.load(slot_ptr + seq).to(tl.int64)  # int64: slot * stride exceeds 2**31 in big caches
-        if (tile_end * BLOCK_N > new_key) & (slot >= 0):  # the new token is ours: cache it for later steps
-            dst = slot * stride_cache_slot + kv_head * stride_cache_head
-            tl.store(k_cache_ptr + dst + half_dims, k_new1, mask=half_dims < half)
-            tl.store(k_cache_ptr + dst + half + half_dims, k_new2, mask=half_dims < half)
-            tl.store(v_cache_ptr + dst + dims[None, :], v_new, mask=dim_mask[None, :])
-
-        for tile in range(tile_begin, tile_end):
-            if tile > tile_begin:  # the first tile was loaded before the wait
-                k1, k2, v = _load_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, tile, kv_head, context_len,
-                                       half, stride_bt, stride_cache_block, stride_cache_slot, stride_cache_head,
-                                       BLOCK_SIZE, BLOCK_N, HALF_PAD, D_PAD)
-            m_i, l_i, acc = _attend_tile(q1, q2, k1, k2, v, k_new1, k_new2, v_new, tile, new_key, context_len,
-                                         scale, m_i, l_i, acc, BLOCK_N, DOT_PRECISION)
+        if (tile_end * BLOCK_N >= context_len) & (slot >= 0):  # the new token is ours: cache it for later steps
+            dst = slot * stride_cache_slot + kv_head * stride_cache_head + dims[None, :]
+            tl.store(k_cache_ptr + dst, k_new, mask=new_mask)
+            tl.store(v_cache_ptr + dst, v_new, mask=new_mask)
     else:
         q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + dims[None, :], mask=out_mask, other=0.0)
-        for tile in range(tile_begin, tile_end):
-            # BLOCK_N divides BLOCK_SIZE, so the whole tile sits in one cache block.
-            keys = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-            block = tl.load(block_tables_ptr + seq * stride_bt + tile * BLOCK_N // BLOCK_SIZE)
-            k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, block, keys, kv_head, dims,
-                                (keys < context_len)[:, None] & dim_mask[None, :],
-                                stride_cache_block, stride_cache_slot, stride_cache_head, BLOCK_SIZE)
-            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
-            scores = tl.where((keys < context_len)[None, :], scores, float("-inf"))
-            m_i, l_i, acc = online_softmax_step(scores, v, m_i, l_i, acc, DOT_PRECISION)
+
+    for tile in range(tile_begin, tile_end):
+        if not FUSED or tile > tile_begin:  # (the fused path loaded its first tile before the wait)
+            keys, k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, table, tile * BLOCK_N, context_len, kv_head, dims,
+                                      dim_mask, stride_cache_block, stride_cache_slot, stride_cache_head, BLOCK_SIZE,
+                                      BLOCK_N)
+        if FUSED:  # the new token's row in the cache is stale (or not yet written): take it from registers
+            is_new = (keys == context_len - 1)[:, None]
+            k, v = tl.where(is_new, k_new, k), tl.where(is_new, v_new, v)
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
+        scores = tl.where((keys < context_len)[None, :], scores, float("-inf"))  # [GROUP_PAD, BLOCK_N]
+        # Every tile in range holds at least one real key, so the running max stays finite.
+        m_i, l_i, acc = online_softmax_step(scores, v, m_i, l_i, acc, DOT_PRECISION)
     _store_partial_and_merge(acc, m_i, l_i, seq, kv_head, split, num_splits, tl.cdiv(num_tiles, tiles_per_split),
                              heads, row_mask, dims, o_part_ptr, lse_ptr, arrivals_ptr, out_ptrs, out_mask,
                              D_PAD, GROUP, GROUP_PAD)
@@ -342,7 +304,7 @@ def paged_decode_attention(q, k, v, positions, slot_mapping, cos, sin, q_weight,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1), head_dim // 2,
         FUSED=fused, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size,
-        BLOCK_N=block_n, HALF_PAD=max(16, triton.next_power_of_2(head_dim // 2)), D_PAD=d_pad, HAS_NORM=has_norm,
+        BLOCK_N=block_n, D_PAD=d_pad, HAS_NORM=has_norm,
         # float32 inputs get exact products (not TF32) to match a float32 reference.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=FUSED_NUM_WARPS if fused else NUM_WARPS, num_stages=NUM_STAGES, **launch_options(q.device))

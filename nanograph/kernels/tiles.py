@@ -1,8 +1,8 @@
 """The two steps both attention kernels repeat for every tile of keys.
 
-- `tile_offsets` / `load_kv_tile`: a tile of BLOCK_N keys lies inside one cache block (BLOCK_N
-  divides the block size), so one block-table entry locates all its rows: their offsets in the
-  cache are computed once per tile, and K and V are loaded from them.
+- `load_kv_tile`: a tile of BLOCK_N keys lies inside one cache block (BLOCK_N divides the block
+  size), so one block-table entry locates all its rows: their offsets in the cache are computed
+  once per tile, and K and V are loaded from them.
 - `online_softmax_step`: flash attention's running softmax. For each query row we keep the
   running max m, the running sum of exp l and the unnormalised output acc; a new tile with a
   larger max rescales the old sums by exp(m_old - m_new), so the scores of the whole context are
@@ -13,22 +13,17 @@ import triton.language as tl
 
 
 @triton.jit
-def tile_offsets(block, keys, kv_head, stride_cache_block, stride_cache_slot, stride_cache_head,
-                 BLOCK_SIZE: tl.constexpr):
-    """Offsets [BLOCK_N] of the keys' rows (for one KV head) in a cache, all in cache block `block`."""
-    return (block.to(tl.int64) * stride_cache_block + (keys % BLOCK_SIZE) * stride_cache_slot
-            + kv_head * stride_cache_head)
-
-
-@triton.jit
-def load_kv_tile(k_cache_ptr, v_cache_ptr, block, keys, kv_head, dims, mask,
-                 stride_cache_block, stride_cache_slot, stride_cache_head, BLOCK_SIZE: tl.constexpr):
-    """K and V rows [BLOCK_N, len(dims)] of the keys (masked entries 0)."""
-    offs = tile_offsets(block, keys, kv_head, stride_cache_block, stride_cache_slot, stride_cache_head,
-                        BLOCK_SIZE)[:, None] + dims[None, :]
-    k = tl.load(k_cache_ptr + offs, mask=mask, other=0.0)
-    v = tl.load(v_cache_ptr + offs, mask=mask, other=0.0)
-    return k, v
+def load_kv_tile(k_cache_ptr, v_cache_ptr, table_ptr, first_key, key_end, kv_head, dims, dim_mask,
+                 stride_cache_block, stride_cache_slot, stride_cache_head, BLOCK_SIZE: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
+    """Keys first_key .. first_key + BLOCK_N - 1 of the sequence whose block table is at table_ptr:
+    their indices [BLOCK_N], and their K and V rows [BLOCK_N, len(dims)] (0 past key_end)."""
+    keys = first_key + tl.arange(0, BLOCK_N)
+    block = tl.load(table_ptr + first_key // BLOCK_SIZE).to(tl.int64)
+    offs = (block * stride_cache_block + (keys % BLOCK_SIZE) * stride_cache_slot
+            + kv_head * stride_cache_head)[:, None] + dims[None, :]
+    mask = (keys < key_end)[:, None] & dim_mask[None, :]
+    return keys, tl.load(k_cache_ptr + offs, mask=mask, other=0.0), tl.load(v_cache_ptr + offs, mask=mask, other=0.0)
 
 
 @triton.jit
