@@ -69,17 +69,15 @@ class BlockManager:
     def allocate(self, seq: Sequence) -> None:
         """Give `seq` blocks for all its tokens, sharing the longest cached prefix."""
         assert not seq.block_table
-        prefix_hash, hits = seq.cache_salt, 0
-        for i in range(seq.num_blocks):
-            block = self._cached_block(seq, i, prefix_hash) if hits == i else None
-            if block is None:
-                seq.block_table.append(self._take_free_block())
-                continue
+        prefix_hash = seq.cache_salt
+        while (block := self._cached_block(seq, len(seq.block_table), prefix_hash)) is not None:
             if block.ref_count == 0:
                 self.free_block_ids.remove(block.block_id)
             block.ref_count += 1
             seq.block_table.append(block.block_id)
-            prefix_hash, hits = block.hash, hits + 1
+            prefix_hash = block.hash
+        hits = len(seq.block_table)  # the cached prefix stops at the first miss; the rest gets fresh blocks
+        seq.block_table += [self._take_free_block() for _ in range(hits, seq.num_blocks)]
         # Even a fully cached prompt recomputes its last token: its logits give the next token.
         seq.num_computed_tokens = min(hits * self.block_size, len(seq) - 1)
         seq.num_hashed_blocks = hits

@@ -118,9 +118,8 @@ class DecodeBuffers:
         n, host, flat = len(step.input_ids), self.hosts[self.turn], self.host_flats[self.turn]
         self.turn ^= 1
         for name, pad in self.FIELDS.items():
-            value = getattr(step, name)
-            host[name][:n] = pad if value is None else value  # None: no adapters, all greedy
-            host[name][n:bucket] = pad                        # rows n..bucket-1 are padding
+            host[name][:n] = getattr(step, name) or pad  # lora_slots None: no adapters
+            host[name][n:bucket] = pad                   # rows n..bucket-1 are padding
         host["block_tables"][:n, :len(step.block_tables[0])] = step.block_tables
         # one copy: the 1-D fields, then the block-table rows of the bucket, which follow them
         end = self.max_bs * len(self.FIELDS) + bucket * self.max_blocks

@@ -75,9 +75,9 @@ class Scheduler:
     def schedule(self) -> Batch | None:
         """The next step (None: nothing can run until an in-flight step is collected)."""
         seqs, counts, budget = [], [], self.max_num_batched_tokens
-        while self.waiting and budget > 0 and len(self.running) + len(seqs) < self.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if seq.adapter and len(self.adapters_in_use([*seqs, seq])) > self.max_loras:
+            if seq.adapter and len(self.adapters_in_use([seq])) > self.max_loras:
                 break  # its adapter would need a slot more than there are
             if not seq.block_table:
                 if seq.num_blocks > self.block_manager.num_free_blocks:
@@ -90,8 +90,8 @@ class Scheduler:
                 break  # a chunk: the budget is spent, the rest of the prompt goes next step
             self.waiting.popleft()
             seq.status = Status.RUNNING
+            self.running.append(seq)  # counts towards max_num_seqs (and its adapter towards max_loras) from here
         if seqs:
-            self.running.extend(s for s in seqs if s.status == Status.RUNNING)
             return self.account(Batch(seqs, True, [], counts, []))
 
         while self.running and len(seqs) < self.max_num_seqs:
@@ -131,12 +131,12 @@ class Scheduler:
         for row, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             batch.starts.append(seq.num_computed_tokens)
             seq.num_computed_tokens += n
+            # a prefill chunk (not the prompt's end) samples nothing: its logits predict nothing
             batch.samples.append(seq.num_computed_tokens == len(seq))
-            if not batch.samples[-1]:
-                continue  # a prefill chunk: its logits predict nothing
-            seq.token_ids.append(-1 - row)
-            if self.at_length_limit(seq, len(seq)):
-                self.running.remove(seq)  # its last token is decided: finishes in update()
+            if batch.samples[-1]:
+                seq.token_ids.append(-1 - row)
+                if self.at_length_limit(seq, len(seq)):
+                    self.running.remove(seq)  # its last token is decided: finishes in update()
         return batch
 
     def at_length_limit(self, seq: Sequence, length: int) -> bool:

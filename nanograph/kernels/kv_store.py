@@ -32,7 +32,8 @@ from nanograph.kernels.pdl import launch_options, wait_for_previous_kernel
 @triton.jit
 def norm_rotate(ptr, stride_h, num_heads, w_ptr, eps, cos, sin, half,
                  HAS_NORM: tl.constexpr, H_PAD: tl.constexpr, HALF_PAD: tl.constexpr):
-    """Both halves [H_PAD, HALF_PAD] of every head at ptr, normed (optionally) and rotated."""
+    """Both halves [H_PAD, HALF_PAD] of every head at ptr, normed (optionally) and rotated; then the
+    head index [H_PAD, 1] and the mask they were loaded with, to store them back."""
     heads = tl.arange(0, H_PAD)[:, None]
     dims = tl.arange(0, HALF_PAD)[None, :]
     mask = (heads < num_heads) & (dims < half)
@@ -46,7 +47,7 @@ def norm_rotate(ptr, stride_h, num_heads, w_ptr, eps, cos, sin, half,
         w2 = tl.load(w_ptr + half + dims, mask=dims < half)
         x1, x2 = w1 * (a * inv_rms).to(dtype), w2 * (b * inv_rms).to(dtype)
     cos, sin = cos.to(dtype), sin.to(dtype)
-    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+    return x1 * cos - x2 * sin, x2 * cos + x1 * sin, heads, mask
 
 
 @triton.jit
@@ -65,10 +66,8 @@ def _rotate_and_store_kernel(
     sin = tl.load(sin_ptr + pos * stride_rope + dims, mask=dims < half)
     wait_for_previous_kernel(PDL)  # positions and the tables are inputs; q, k, v are not
 
-    q1, q2 = norm_rotate(q_ptr + token * stride_qn, stride_qh, num_q_heads, q_w_ptr, eps, cos, sin, half,
-                          HAS_NORM, HQ_PAD, HALF_PAD)
-    heads = tl.arange(0, HQ_PAD)[:, None]
-    mask = (heads < num_q_heads) & (dims < half)
+    q1, q2, heads, mask = norm_rotate(q_ptr + token * stride_qn, stride_qh, num_q_heads, q_w_ptr, eps, cos, sin,
+                                      half, HAS_NORM, HQ_PAD, HALF_PAD)
     tl.store(q_out_ptr + token * stride_on + heads * stride_oh + dims, q1, mask=mask)
     tl.store(q_out_ptr + token * stride_on + heads * stride_oh + half + dims, q2, mask=mask)
 
@@ -76,10 +75,8 @@ def _rotate_and_store_kernel(
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot < 0:
         return
-    k1, k2 = norm_rotate(k_ptr + token * stride_kn, stride_kh, num_kv_heads, k_w_ptr, eps, cos, sin, half,
-                          HAS_NORM, HKV_PAD, HALF_PAD)
-    heads = tl.arange(0, HKV_PAD)[:, None]
-    mask = (heads < num_kv_heads) & (dims < half)
+    k1, k2, heads, mask = norm_rotate(k_ptr + token * stride_kn, stride_kh, num_kv_heads, k_w_ptr, eps, cos, sin,
+                                      half, HAS_NORM, HKV_PAD, HALF_PAD)
     dst = slot * stride_cache_slot + heads * stride_cache_head + dims
     v_src = v_ptr + token * stride_vn + heads * stride_vh + dims
     tl.store(k_cache_ptr + dst, k1, mask=mask)

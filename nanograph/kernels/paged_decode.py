@@ -249,9 +249,9 @@ def _decode_kernel(
                                BLOCK_SIZE, BLOCK_N, HALF_PAD, D_PAD)
         wait_for_previous_kernel(PDL)
 
-        q1, q2 = norm_rotate(q_ptr + seq * stride_qb + kv_head * GROUP * stride_qh, stride_qh, GROUP, q_w_ptr,
+        q1, q2, _, _ = norm_rotate(q_ptr + seq * stride_qb + kv_head * GROUP * stride_qh, stride_qh, GROUP, q_w_ptr,
                              eps, cos, sin, half, HAS_NORM, GROUP_PAD, HALF_PAD)
-        k_new1, k_new2 = norm_rotate(k_ptr + seq * stride_kb + kv_head * stride_kh, stride_kh, 1, k_w_ptr, eps,
+        k_new1, k_new2, _, _ = norm_rotate(k_ptr + seq * stride_kb + kv_head * stride_kh, stride_kh, 1, k_w_ptr, eps,
                                      cos, sin, half, HAS_NORM, 1, HALF_PAD)  # [1, HALF_PAD] each
         v_new = tl.load(v_ptr + seq * stride_vb + kv_head * stride_vh + dims[None, :], mask=dim_mask[None, :])
         new_key = context_len - 1

@@ -59,9 +59,8 @@ def torch_decode(q, k_cache, v_cache, md: StepMetadata, scale: float) -> torch.T
     k, v = (gather_kv(cache, md.block_tables).transpose(1, 2) for cache in (k_cache, v_cache))  # [B, Hkv, L, D]
     mask = torch.arange(k.shape[2], device=q.device)[None, :] < md.context_lens[:, None]
     mask[:, 0] = True  # padded rows (context 0) attend to one junk key instead of producing NaN
-    o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :], scale=scale,
-                                       enable_gqa=True)
-    return o.squeeze(2)
+    return F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :], scale=scale,
+                                          enable_gqa=True).squeeze(2)
 
 
 def triton_prefill(q, k_cache, v_cache, md: StepMetadata, scale: float) -> torch.Tensor:

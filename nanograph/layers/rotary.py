@@ -21,15 +21,13 @@ def rope_frequencies(head_dim: int, rope: dict) -> torch.Tensor:
     if kind == "linear":
         return inv_freq / rope["factor"]
     if kind == "llama3":
-        # Long wavelengths are slowed down by `factor`, short ones kept, the band between blended.
+        # Long wavelengths are slowed down by `factor`, short ones kept, the band between blended:
+        # the blend weight is 0 above old_len / low, 1 below old_len / high, linear in between.
         factor, old_len = rope["factor"], rope["original_max_position_embeddings"]
         low, high = rope["low_freq_factor"], rope["high_freq_factor"]
         wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low) / (high - low)
-        blended = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-        return torch.where(medium, blended, scaled)
+        smooth = ((old_len / wavelen - low) / (high - low)).clamp(0, 1)
+        return (1 - smooth) * inv_freq / factor + smooth * inv_freq
     raise ValueError(f"rope scaling type {kind!r} is not supported (default, linear, llama3 are)")
 
 

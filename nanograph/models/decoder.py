@@ -44,10 +44,9 @@ class DecoderAttention(nn.Module):
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size,
                                         bias and cfg.model_type != "qwen2")
-        self.q_norm = self.k_norm = None  # Qwen3's per-head qk-norm, applied (fused with rotary) by attn
-        if cfg.model_type == "qwen3":
-            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        qk_norm = cfg.model_type == "qwen3"  # Qwen3's per-head qk-norm, applied (fused with rotary) by attn
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.attn = Attention(self.head_dim ** -0.5, rope, self.q_norm, self.k_norm)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
