@@ -212,9 +212,10 @@ def check_rotate_and_store(device, dtype, block_size, head_dim, num_tokens, slot
     assert torch.equal(v_cache.cpu(), ref_v_cache)
 
 
-def check_gemv(device, dtype, rows, n, k, bias, silu_and_mul, norm=None):
-    """Against F.linear (and the MLP's silu_and_mul) on the same rounded inputs. norm: None,
-    "norm" (input rms_norm(x)) or "add_norm" (input rms_norm(x + residual), sum written out)."""
+def check_gemv(device, dtype, rows, n, k, bias, silu_and_mul, norm=None, tensor_cores=False):
+    """Either kernel of gemv.py against F.linear (and the MLP's silu_and_mul) on the same rounded
+    inputs. norm: None, "norm" (input rms_norm(x)) or "add_norm" (input rms_norm(x + residual), sum
+    written out)."""
     pytest.importorskip("triton")
     from nanograph.kernels.gemv import gemv
     from nanograph.layers.norm import rms_norm as ref_rms_norm
@@ -236,7 +237,7 @@ def check_gemv(device, dtype, rows, n, k, bias, silu_and_mul, norm=None):
 
     to = lambda t: None if t is None else t.to(device)
     r_out = torch.full((rows, k), float("nan"), dtype=dtype, device=device) if r is not None else None
-    out = gemv(to(x), to(w), to(b), silu_and_mul, to(norm_w), 1e-6, to(r), r_out)
+    out = gemv(to(x), to(w), to(b), silu_and_mul, to(norm_w), 1e-6, to(r), r_out, tensor_cores=tensor_cores)
     assert out.dtype == dtype and out.shape == (rows, n)
     assert rel_err(out.cpu(), ref) < tolerance(dtype)
     if r is not None:
@@ -372,15 +373,16 @@ def test_prefill_dtypes_and_head_dims(dtype, head_dim, block_size):
 @pytest.mark.parametrize("n,k", [(4096, 1024), (1024, 3072), (1000, 200)])
 @pytest.mark.parametrize("bias,silu_and_mul,norm", [(False, False, None), (True, False, "norm"),
                                                     (False, True, "add_norm"), (True, True, None)])
-def test_gemv(dtype, rows, n, k, bias, silu_and_mul, norm):
-    check_gemv("cuda", dtype, rows, n, k, bias, silu_and_mul, norm)
+@pytest.mark.parametrize("tensor_cores", [False, True])
+def test_gemv(dtype, rows, n, k, bias, silu_and_mul, norm, tensor_cores):
+    check_gemv("cuda", dtype, rows, n, k, bias, silu_and_mul, norm, tensor_cores)
 
 
 @pytest.mark.gpu
 @requires_cuda
-@pytest.mark.parametrize("rows", [1, 16])
-def test_gemv_lm_head_shape(rows):
-    check_gemv("cuda", torch.bfloat16, rows, 151936, 1024, False, False)
+@pytest.mark.parametrize("rows,tensor_cores", [(1, False), (16, False), (2, True), (16, True)])
+def test_gemv_lm_head_shape(rows, tensor_cores):
+    check_gemv("cuda", torch.bfloat16, rows, 151936, 1024, False, False, tensor_cores=tensor_cores)
 
 
 @pytest.mark.gpu
@@ -493,8 +495,9 @@ def test_decode_cuda_graph_replay(batch):
 @requires_interpreter
 @pytest.mark.parametrize("bias,silu_and_mul,norm", [(False, False, None), (True, True, "norm"),
                                                     (False, True, "add_norm")])
-def test_gemv_interpreter(bias, silu_and_mul, norm):
-    check_gemv("cpu", torch.float32, 3, 40, 24, bias, silu_and_mul, norm)
+@pytest.mark.parametrize("tensor_cores", [False, True])
+def test_gemv_interpreter(bias, silu_and_mul, norm, tensor_cores):
+    check_gemv("cpu", torch.float32, 3, 40, 24, bias, silu_and_mul, norm, tensor_cores)
 
 
 @requires_interpreter

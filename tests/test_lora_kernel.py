@@ -87,8 +87,8 @@ def assert_close_delta(out, ref, y, slots, dtype):
     assert err < (1e-5 if dtype == torch.float32 else 1e-2), err
 
 
-def check_gemv_lora(device, dtype, num_rows, k, part_sizes, deferred, rank=8, max_rank=16):
-    """The GEMV path: a shrink, then the GEMV that adds the delta itself, against F.linear plus the
+def check_gemv_lora(device, dtype, num_rows, k, part_sizes, deferred, rank=8, max_rank=16, tensor_cores=False):
+    """The GEMV path: a shrink, then the GEMV (or, tensor_cores, the other kernel of gemv.py) that adds the delta itself, against F.linear plus the
     oracle's delta on the GEMV's input (x, or with deferred="norm" rms_norm(x + residual)); with two
     equal parts ([gate | up]) the GEMV also applies the MLP's activation to the sum, as in the
     model. The deferred norm's h comes as in the engine, from a fold (layers/lora.py): x is the
@@ -132,8 +132,8 @@ def check_gemv_lora(device, dtype, num_rows, k, part_sizes, deferred, rank=8, ma
     else:
         args = (to(x), to(w), None, gate_up)
         h = lora_shrink(to(x), to(lora_a), to(slots), rank)
-    out = gemv(*args, lora=(h, to(lora_b), to(slots), starts)).cpu()
-    base = gemv(*args).cpu()
+    out = gemv(*args, lora=(h, to(lora_b), to(slots), starts), tensor_cores=tensor_cores).cpu()
+    base = gemv(*args, tensor_cores=tensor_cores).cpu()
     none = slots < 0
     assert torch.equal(out[none], base[none])
     assert (ref - product)[~none].abs().max() > 0.1  # the adapters change the output
@@ -146,14 +146,15 @@ def check_gemv_lora(device, dtype, num_rows, k, part_sizes, deferred, rank=8, ma
 
 @pytest.mark.gpu
 @requires_cuda
-@pytest.mark.parametrize("num_rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("num_rows,tensor_cores", [(1, False), (2, False), (3, False), (4, False), (2, True),
+                                                   (5, True), (16, True)])
 @pytest.mark.parametrize("k,part_sizes,deferred", [(1024, (2048, 1024, 1024), "norm"), (1024, (3072, 3072), "norm"),
                                                   (2048, (1024,), None), (3072, (1024,), None)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_gemv_lora(num_rows, k, part_sizes, deferred, dtype):
+def test_gemv_lora(num_rows, tensor_cores, k, part_sizes, deferred, dtype):
     """The Qwen3-0.6B shapes (QKV and gate/up with the deferred norm, gate/up also with the activation,
     o, down), max_lora_rank 64, rank 16."""
-    check_gemv_lora("cuda", dtype, num_rows, k, part_sizes, deferred, 16, 64)
+    check_gemv_lora("cuda", dtype, num_rows, k, part_sizes, deferred, 16, 64, tensor_cores)
 
 
 
@@ -219,11 +220,11 @@ def test_lora_bgmv_interpreter(dtype, num_rows, k, part_sizes):
 
 
 @requires_interpreter
-@pytest.mark.parametrize("num_rows", [1, 3])
+@pytest.mark.parametrize("num_rows,tensor_cores", [(1, False), (3, False), (3, True)])
 @pytest.mark.parametrize("k,part_sizes,deferred", [(24, (40, 17, 23), "norm"), (32, (24, 24), None),
                                                   (40, (24,), None)])
-def test_gemv_lora_interpreter(num_rows, k, part_sizes, deferred):
-    check_gemv_lora("cpu", torch.float32, num_rows, k, part_sizes, deferred)
+def test_gemv_lora_interpreter(num_rows, tensor_cores, k, part_sizes, deferred):
+    check_gemv_lora("cpu", torch.float32, num_rows, k, part_sizes, deferred, tensor_cores=tensor_cores)
 
 
 @requires_interpreter

@@ -50,8 +50,8 @@ because the graphs share one pool and one logits output, so each graph adds only
 workspace. Measured on an H100 (Qwen3-0.6B shape, bench.py --lora, sampler inside the graphs):
 the 18 graphs of the default ladder took 1.1 s and 478 MiB, most of it likely the largest graph's
 float32 scores [512, vocab]; the 90 of the LoRA grid (max_lora_rank 64) 11.4 s and 542 MiB,
-against 8.0 s and 478 MiB before the shrinks went to a side stream (layers/lora.py): presumably
-that stream's intermediates take pool blocks of their own, which the main stream's cannot reuse.
+with the cuBLAS path's shrinks on a side stream (since removed), against 8.0 s and 478 MiB before
+that stream: presumably its intermediates took pool blocks of their own (not re-measured since).
 """
 import logging
 import time

@@ -1,4 +1,5 @@
-"""y = x W^T for a handful of rows (decode at small batch), as a weight-streaming GEMV.
+"""y = x W^T for a handful of rows (decode at small batch): a weight-streaming GEMV for one or two
+rows, a tensor-core kernel for up to 16 (layers/linear.py picks).
 
 At batch 1 a linear layer reads its whole weight matrix to do 2 flops per weight: the product
 is a memory copy with a dot product attached, and its time is the weight bytes over DRAM
@@ -17,8 +18,9 @@ ms against 0.694 on the Qwen3-0.6B shape and 1.031 against 0.990 on Llama-3.2-1B
 faster; not kept.) The rows loop is unrolled (ROWS, a power of two >= M, is a constexpr) so
 their loads issue together.
 
-Each output row is computed by the same program in the same order whatever the batch size:
-the result for a token does not depend on how many rows the graph bucket was padded to.
+Each output row is computed by the same program in the same order whatever the batch size, in
+either kernel: the result for a token does not depend on how many rows the graph bucket was
+padded to.
 
 Three fusions save dependent kernels (each kernel in the chain costs about a microsecond of
 latency even when its weights are already in flight):
@@ -41,15 +43,36 @@ latency even when its weights are already in flight):
   the activation as a kernel of its own, and was used at one row only. With the shared tile a
   rank-16 LoRA step at 2 / 4 rows costs 1.16x / 1.19x the base step against 1.28x / 1.29x with
   the activation apart: Qwen3-0.6B shape, H100.)
-All round like the torch path (layers/norm.py, models/decoder.py) at every step.
+The GEMV rounds like the torch path (layers/norm.py, models/decoder.py) at every step.
+
+From three rows on, tensor cores. On CUDA cores every extra row costs at least one FMA per weight:
+on Qwen3-8B, 3 extra rows x 7.57 G weights are 22.7 G FMAs, 0.68 ms at an H200's 33.4 T a second,
+before any load or conversion; the GEMV took 10.6 ms for a chain of the model's products at 4 rows
+against 3.7 at one (tools/bench_splitk.py). `_tensor_core_kernel` makes the rows almost free. A
+program owns 64 weight rows and walks all of K, acc [64, 16] += W tile x^T (the weights are the
+dot's first operand, "swap AB", so only the 16-row operand is padded). The weight tiles come by TMA:
+a tensor descriptor lets one thread move a 32 KB tile into shared memory, and Triton's pipeline
+keeps 4 in flight. That streams faster per SM than per-thread loads of the same tiles, which
+matters because 64-row tiles leave SMs idle on the narrow products (QKV and O of an 8B model: 96
+and 64 programs for 132 SMs): 4.15 against 4.30 ms for that chain at 4 rows, and 4.41 against 4.62
+ms for Qwen3-8B's whole step (H200). Narrower tiles or sharing a tile between programs (split K,
+stream-K) to fill the idle SMs cost more than the SMs (README, "Decode step by batch size"). It
+waits for the previous kernel before its first load, unlike the GEMV: the pipeline issues its
+first loads before the K loop, with nothing between them and the wait. The deferred norm is
+factored, rms_norm(x) W^T = (1 / rms) ((x * norm weight) W^T), the squares summed along the K walk,
+so it rounds unlike the torch path (well within bf16's precision). LoRA deltas are added per row
+after the K walk, before the 1 / rms. For [gate | up] the descriptor views the weight as [2, N, K],
+so that a tile holds 32 outputs' gate rows and then their up rows.
 """
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from nanograph.kernels.pdl import launch_options, wait_for_previous_kernel
 
-TARGET_TILE, NUM_WARPS = 8192, 4  # weight elements per program (BLOCK_N * padded K), its warps
+TARGET_TILE, NUM_WARPS = 8192, 4  # GEMV: weight elements per program (BLOCK_N * padded K); both: warps
+TC_TILE_ROWS, TC_TILE_BYTES, TC_STAGES = 64, 32768, 4  # tensor cores: weight rows and bytes a tile, tiles in flight
 
 
 @triton.jit
@@ -71,6 +94,13 @@ def lora_h_tile(h_ptr, slot, w_rows, PART_STARTS: tl.constexpr, RANK: tl.constex
         part += (w_rows >= PART_STARTS[i]).to(w_rows.dtype)
     ranks = tl.arange(0, RANK_PAD)
     return tl.load(h_ptr + part[:, None] * RANK + ranks[None, :], mask=ranks[None, :] < RANK * (slot >= 0), other=0.0)
+
+
+@triton.jit
+def silu_times(gate, up, dtype: tl.constexpr):
+    """silu(gate) * up, rounded to dtype where the torch path rounds (models/decoder.py)."""
+    gate = gate.to(dtype).to(tl.float32)
+    return (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up.to(dtype).to(tl.float32)
 
 
 @triton.jit
@@ -117,9 +147,56 @@ def _gemv_kernel(
             y += tl.sum(b[m].to(tl.float32) * h, 1) * lora_scale
         if SILU_AND_MUL:
             gate, up = tl.split(tl.reshape(y, [BLOCK_N, 2]))
-            gate = gate.to(dtype).to(tl.float32)
-            y = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up.to(dtype).to(tl.float32)
+            y = silu_times(gate, up, dtype)
         tl.store(out_ptr + m * stride_om + outs, y.to(dtype), mask=outs < N * (M > m))
+
+
+@triton.jit
+def _tensor_core_kernel(
+    x_ptr, w_tiles, bias_ptr, out_ptr, residual_ptr, norm_w_ptr, residual_out_ptr, eps,
+    h_ptr, b_ptr, slots_ptr, M, N, K, stride_xm, stride_om, stride_rm, stride_rom, stride_ht, stride_bs, stride_bn,
+    HAS_BIAS: tl.constexpr, SILU_AND_MUL: tl.constexpr, NORM: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
+    PART_STARTS: tl.constexpr, LORA_RANK: tl.constexpr, RANK_PAD: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+):
+    first = tl.program_id(0) * BLOCK_N
+    outs = first + tl.arange(0, BLOCK_N)
+    PARTS: tl.constexpr = 2 if SILU_AND_MUL else 1
+    # the weight rows of the tile: BLOCK_N rows (with SILU_AND_MUL gate rows, then the same outputs' up rows)
+    w_rows = tl.reshape(tl.arange(0, PARTS)[:, None] * N + outs[None, :], [PARTS * BLOCK_N])
+    num_w_rows = PARTS * N
+    rows = tl.arange(0, ROWS)
+    acc = tl.zeros([PARTS * BLOCK_N, ROWS], tl.float32)  # y^T: weight rows x input rows
+    sum_sq = tl.zeros([ROWS], tl.float32)
+    wait_for_previous_kernel(PDL)  # the pipeline's first loads are issued before the loop: no earlier
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        in_x = (rows[:, None] < M) & (cols[None, :] < K)
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=in_x, other=0.0)
+        if ADD_RESIDUAL:  # program 0 also writes x + residual
+            x += tl.load(residual_ptr + rows[:, None] * stride_rm + cols[None, :], mask=in_x, other=0.0)
+            tl.store(residual_out_ptr + rows[:, None] * stride_rom + cols[None, :], x,
+                     mask=(rows[:, None] < M * (first == 0)) & (cols[None, :] < K))
+        if NORM:  # factored: rms_norm(x) W^T = (1 / rms) * ((x * norm weight) W^T); the squares summed on the way
+            sum_sq += tl.sum(x.to(tl.float32) * x.to(tl.float32), 1)
+            x = tl.load(norm_w_ptr + cols, mask=cols < K, other=0.0)[None, :] * x
+        w = tl.reshape(w_tiles.load([0, first, k0]), [PARTS * BLOCK_N, BLOCK_K])
+        acc = tl.dot(w, tl.trans(x.to(w.dtype)), acc, input_precision=DOT_PRECISION)
+    for m in tl.static_range(ROWS if LORA_RANK > 0 else 0):  # each row's delta B h, from its own adapter
+        slot = tl.load(slots_ptr + m, mask=M > m, other=-1)
+        h = lora_h_tile(h_ptr + m * stride_ht, slot, w_rows, PART_STARTS, LORA_RANK, RANK_PAD)
+        b = lora_b_tile(b_ptr, slot, w_rows, num_w_rows, stride_bs, stride_bn, LORA_RANK, RANK_PAD)
+        acc += tl.where(rows[None, :] == m, tl.sum(b.to(tl.float32) * h, 1)[:, None], 0.0)
+    y = tl.trans(acc)
+    if NORM:  # a fold's h lacks the 1 / rms too (layers/lora.py): it gets it here with the product's
+        y *= tl.rsqrt(sum_sq / K + eps)[:, None]
+    y += tl.load(bias_ptr + w_rows, mask=w_rows < num_w_rows * HAS_BIAS, other=0.0).to(tl.float32)[None, :]
+    dtype = out_ptr.dtype.element_ty
+    if SILU_AND_MUL:
+        gate, up = tl.split(tl.permute(tl.reshape(y, [ROWS, 2, BLOCK_N]), (0, 2, 1)))
+        y = silu_times(gate, up, dtype)
+    tl.store(out_ptr + rows[:, None] * stride_om + outs[None, :], y.to(dtype),
+             mask=(rows[:, None] < M) & (outs[None, :] < N))
 
 
 def tile_shape(n: int, k: int, silu_and_mul: bool) -> tuple[int, int]:
@@ -128,10 +205,17 @@ def tile_shape(n: int, k: int, silu_and_mul: bool) -> tuple[int, int]:
     return max(1, min(TARGET_TILE // block_k // (2 if silu_and_mul else 1), triton.next_power_of_2(n))), block_k
 
 
+def weight_tiles(weight: torch.Tensor, parts: int, block_n: int, block_k: int) -> TensorDescriptor:
+    """The tensor-core kernel's view of the weight [parts * N, K] as [parts, N, K] (parts 2: [gate | up]),
+    a tile [parts, BLOCK_N, BLOCK_K] at a time: BLOCK_N outputs' rows of every part."""
+    n, k = weight.shape[0] // parts, weight.shape[1]
+    return TensorDescriptor(weight, [parts, n, k], [n * weight.stride(0), weight.stride(0), 1], [parts, block_n, block_k])
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, silu_and_mul: bool = False,
          norm_weight: torch.Tensor | None = None, eps: float = 0.0, residual: torch.Tensor | None = None,
-         residual_out: torch.Tensor | None = None, lora: tuple | None = None) -> torch.Tensor:
-    """x: [M, K], M small (layers/linear.py decides); weight: [N, K] (or [2N, K] = [gate | up]
+         residual_out: torch.Tensor | None = None, lora: tuple | None = None, tensor_cores: bool = False) -> torch.Tensor:
+    """x: [M, K], M <= 16 (layers/linear.py decides, and which kernel); weight: [N, K] (or [2N, K] = [gate | up]
     with silu_and_mul); bias: [N] / [2N] or None. Returns [M, N]: x W^T + bias, or silu(gate) * up.
     With norm_weight the input is rms_norm(x (+ residual)) instead of x, and x + residual is
     written to residual_out. With lora = (h, lora_b, token_slots, part_starts) each row also adds
@@ -140,19 +224,25 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     where each part's weight rows start."""
     num_rows, k = x.shape
     n = weight.shape[0] // (2 if silu_and_mul else 1)
-    assert x.stride(-1) == 1 and weight.stride(-1) == 1 and weight.shape[1] == k
+    assert num_rows <= 16 and x.stride(-1) == 1 and weight.stride(-1) == 1 and weight.shape[1] == k
     out = torch.empty(num_rows, n, dtype=x.dtype, device=x.device)
-    block_n, block_k = tile_shape(n, k, silu_and_mul)
     r, r_out = (residual, residual_out) if residual is not None else (x, out)
     h, lora_b, slots, part_starts = lora or (out, weight, out, (0,))
     rank = h.shape[2] if lora else 0
-    _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, weight if bias is None else bias, out, r, weight if norm_weight is None else norm_weight,
-        r_out, eps, h, lora_b, slots, num_rows, n, k, x.stride(0), weight.stride(0), out.stride(0), r.stride(0),
-        r_out.stride(0), h.stride(0), lora_b.stride(0), lora_b.stride(1), HAS_BIAS=bias is not None,
-        SILU_AND_MUL=silu_and_mul, NORM=norm_weight is not None, ADD_RESIDUAL=residual is not None,
-        PART_STARTS=tuple(part_starts), LORA_RANK=rank, RANK_PAD=triton.next_power_of_2(max(rank, 1)),
-        ROWS=triton.next_power_of_2(num_rows), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=NUM_WARPS,
-        **launch_options(x.device),
+    if tensor_cores:  # float32 tiles: half as wide, the same bytes
+        block_n, block_k = TC_TILE_ROWS // (2 if silu_and_mul else 1), TC_TILE_BYTES // TC_TILE_ROWS // x.element_size()
+        kernel, w = _tensor_core_kernel, weight_tiles(weight, 2 if silu_and_mul else 1, block_n, block_k)
+        own = dict(ROWS=16, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_stages=TC_STAGES)
+    else:
+        (block_n, block_k), kernel, w = tile_shape(n, k, silu_and_mul), _gemv_kernel, weight
+        own = dict(ROWS=triton.next_power_of_2(num_rows), stride_wn=weight.stride(0))
+    kernel[(triton.cdiv(n, block_n),)](
+        x, w, weight if bias is None else bias, out, r, weight if norm_weight is None else norm_weight, r_out, eps,
+        h, lora_b, slots, num_rows, n, k, stride_xm=x.stride(0), stride_om=out.stride(0), stride_rm=r.stride(0),
+        stride_rom=r_out.stride(0), stride_ht=h.stride(0), stride_bs=lora_b.stride(0), stride_bn=lora_b.stride(1),
+        HAS_BIAS=bias is not None, SILU_AND_MUL=silu_and_mul, NORM=norm_weight is not None,
+        ADD_RESIDUAL=residual is not None, PART_STARTS=tuple(part_starts), LORA_RANK=rank,
+        RANK_PAD=triton.next_power_of_2(max(rank, 1)), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=NUM_WARPS,
+        **own, **launch_options(x.device),
     )
     return out

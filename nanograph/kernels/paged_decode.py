@@ -24,7 +24,8 @@ compiles to its own specialization, so neither carries the other's code):
   (cp.async, NUM_STAGES). The fused path loads its first tile before the loop and the others
   under a condition, and such a loop is not pipelined (its PTX has no cp.async). With hundreds of
   programs in flight there is no latency to hide and the pipeline is what counts. Measured (H200,
-  context 2048, ms per step at batch 8 / 32 / 256): the fused path at every batch took 2.062 /
+  context 2048, ms per step at batch 8 / 32 / 256; tools/ab_attention.py's modes, the fused one
+  on the kernel before whole-head rotary): the fused path at every batch took 2.062 /
   5.021 / 33.081 on Qwen3-0.6B against 1.593 / 2.933 / 15.725 split, 6.157 / 9.820 / 47.166 on
   Qwen3-8B against 5.611 / 7.202 / 25.122; the split path with the fused path's loop, 1.687 /
   3.712 / 17.830 on Qwen3-0.6B.

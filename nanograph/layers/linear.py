@@ -13,21 +13,16 @@ With tp=1 every class degenerates into a plain nn.Linear.
 With `enable_lora` each layer also adds its rows' LoRA deltas (layers/lora.py); `load_lora`
 cuts this rank's share of an adapter the way `weight_loader` does for the weight.
 
-On CUDA, products with few rows (decode at small batch) go to the GEMV kernel of
-kernels/gemv.py, which streams the weights inside the PDL chain and can apply a deferred RMSNorm
-to its input (layers/norm.py); larger ones go to cuBLAS, whose tensor cores reuse each weight
-tile across rows. Where they cross depends on the model: a GEMV program holds its weight rows
-and each of its input rows whole (next_pow2(K) elements) in registers, and reduces every row on
-CUDA cores after the wait. Measured on six shapes (bench.py --decode-sweep, H100), the GEMV wins
-up to the largest power-of-two row count with rows * next_pow2(K) <= 16384, K the widest input of
-the model's layers on this rank: 4 rows for Qwen3-0.6B, 2 for Qwen3-1.7B and Llama-3.2-1B, 1 for
-Qwen3-4B and the 8B shapes. Registers explain the last (tools/gemv_registers.py, sm_90, Triton
-3.6): at next_pow2(K) = 16384 the GEMV spills, 136 bytes a thread at 1 row, 678-840 at 2-8 rows.
-Narrower inputs never spill up to 8 rows; there more rows cost occupancy (K = 4096: 93 registers
-a thread at 1 row, 158-168 at 2-8, so an SM holds 3 programs instead of 5) and FMAs. The same
-rule per layer (each layer's own K: an 8B model's QKV, O and gate/up on the GEMV up to 4 rows,
-its down in cuBLAS) measured slower: Qwen3-8B batch 2 / 4 7.001 / 10.345 ms per step against
-6.418 / 6.768, Llama-3.2-1B batch 4 1.588 against 1.381 (H100).
+On CUDA, products of up to 16 rows (decode at small batch) go to kernels/gemv.py, which streams
+the weights inside the PDL chain and can apply a deferred RMSNorm to its input (layers/norm.py);
+larger ones go to cuBLAS. gemv.py has two kernels. The GEMV reduces each row on CUDA cores, at
+least one FMA per weight and row, and holds whole rows (next_pow2(K) elements) in registers: the
+fastest at one row, and at two where the model's widest input K is at most 4,096 (Qwen3-0.6B:
+0.756 ms a step at batch 2 against 0.890 on tensor cores; Llama-3.2-1B, K = 8,192: 1.034 against
+0.987). The tensor-core kernel makes the extra rows almost free and wins from there to 16 rows on
+every shape measured, against the GEMV and cuBLAS alike (tensor-core batch 4 / batch 1: Qwen3-8B
+4.412 / 3.929 ms, 1.12x, where cuBLAS took 4.756; Qwen3-0.6B 0.973 against the GEMV's 1.166;
+bench.py --decode-sweep's step, H200, README "Decode step by batch size").
 """
 import torch
 import torch.distributed as dist
@@ -37,29 +32,30 @@ from nanograph.layers.lora import linear_with_lora, lora_inputs
 from nanograph.layers.norm import DeferredNorm
 
 
-GEMV_MAX_ROWS = 4  # set for the model being built by configure_gemv
+GEMV_MAX_ROWS = 2  # rows on CUDA cores, set for the model being built by configure_gemv; tensor cores up to 16
 
 
 def configure_gemv(widest_input: int) -> None:
     global GEMV_MAX_ROWS
-    GEMV_MAX_ROWS = max(1, min(4, 16384 // (1 << (widest_input - 1).bit_length())))
+    GEMV_MAX_ROWS = 2 if widest_input <= 4096 else 1
 
 
 def use_gemv(x: torch.Tensor | DeferredNorm) -> bool:
-    """A DeferredNorm is only ever made for the GEMV (models/decoder.py decides)."""
-    return isinstance(x, DeferredNorm) or (x.is_cuda and x.shape[0] <= GEMV_MAX_ROWS)
+    """gemv.py's kernels, not cuBLAS. A DeferredNorm is only ever made for them (models/decoder.py decides)."""
+    return isinstance(x, DeferredNorm) or (x.is_cuda and x.shape[0] <= 16)
 
 
 def linear(x: torch.Tensor | DeferredNorm, weight: torch.Tensor, bias: torch.Tensor | None = None,
            silu_and_mul: bool = False, layer=None, residual: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T + bias, plus each row's LoRA delta when `layer` is a LoRA target (layers/lora.py).
-    The GEMV path also takes a DeferredNorm as x and can apply the MLP's activation to a [gate | up]
-    product (the cuBLAS path leaves that to the caller); it adds the delta itself."""
+    gemv.py's kernels also take a DeferredNorm as x and can apply the MLP's activation to a [gate | up]
+    product (the cuBLAS path leaves that to the caller); they add the delta themselves."""
     if not use_gemv(x):
         return linear_with_lora(x, weight, bias, layer)
     from nanograph.kernels.gemv import gemv
     lora, x = lora_inputs(x, layer, residual), x if isinstance(x, DeferredNorm) else DeferredNorm(x)
-    return gemv(x.x, weight, bias, silu_and_mul, x.weight, x.eps, x.residual, x.residual_out, lora)
+    return gemv(x.x, weight, bias, silu_and_mul, x.weight, x.eps, x.residual, x.residual_out, lora,
+                tensor_cores=x.x.shape[0] > GEMV_MAX_ROWS)
 
 
 def parameter(data: torch.Tensor, weight_loader) -> nn.Parameter:

@@ -18,9 +18,9 @@ all. The delta `y += (x A^T) B^T` of each row is computed
   capturable, so each (batch, rank) bucket has its own graph (cuda_graph.py). Where the product
   is the few-row GEMV (`lora_inputs`) the GEMV adds the delta itself after a shrink kernel
   (before the activation it applies to [gate | up]); after a cuBLAS product
-  (`linear_with_lora`) the expand kernel adds it, and the shrink, which needs x only, runs on a
-  side stream while cuBLAS computes the product (in a graph: two parallel branches, joined
-  before the expand; measured: README, "Multi-LoRA");
+  (`linear_with_lora`) the expand kernel adds it. (The shrink on a side stream beside cuBLAS's
+  product helped up to 16 rows and cost 1-2% at 32-64, README "Multi-LoRA"; since gemv.py's
+  kernels took those rows, it runs in line.)
 - otherwise (larger prefills, the CPU) in plain torch, every slot over all rows, each row keeping
   its own slot's delta (no host sync, no index lists): the oracle.
 
@@ -105,22 +105,14 @@ def lora_inputs(x: torch.Tensor | DeferredNorm, layer, residual: torch.Tensor | 
 
 
 def linear_with_lora(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer) -> torch.Tensor:
-    """x W^T + bias (cuBLAS) plus the LoRA delta of each row's adapter when `layer` is a LoRA target.
-    On CUDA in decode the shrink, which needs x only, runs on a side stream beside the product (in
-    a graph, a parallel branch), and the expand kernel adds the delta after both."""
+    """x W^T + bias (cuBLAS) plus the LoRA delta of each row's adapter when `layer` is a LoRA target:
+    on CUDA in decode (above gemv.py's 16 rows) the shrink kernel and, after the product, the expand."""
     if getattr(layer, "lora_a", None) is None or get_step_metadata().lora_rank == 0:
         return torch.nn.functional.linear(x, weight, bias)
-    md, lora = get_step_metadata(), None
-    if x.is_cuda and not md.is_prefill:  # a pooled stream of high priority: never the current one
-        main, side = torch.cuda.current_stream(), torch.cuda.Stream(x.device, priority=-1)
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            lora = lora_inputs(x, layer)
-    y = torch.nn.functional.linear(x, weight, bias)
-    if lora is not None:
+    md, y = get_step_metadata(), torch.nn.functional.linear(x, weight, bias)
+    if x.is_cuda and not md.is_prefill:
         from nanograph.kernels.lora import lora_expand
-        main.wait_stream(side)
-        lora_expand(y, *lora)
+        lora_expand(y, *lora_inputs(x, layer))
         return y
     parts = list(zip(layer.part_starts, layer.part_starts[1:] + (y.shape[1],)))
     for slot in range(layer.lora_a.shape[0]):  # every slot over every row: each row keeps only its own slot's delta
