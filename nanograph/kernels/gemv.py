@@ -45,8 +45,8 @@ latency even when its weights are already in flight):
   the activation apart: Qwen3-0.6B shape, H100.)
 The GEMV rounds like the torch path (layers/norm.py, models/decoder.py) at every step.
 
-From three rows on, tensor cores. On CUDA cores every extra row costs at least one FMA per weight:
-on Qwen3-8B, 3 extra rows x 7.57 G weights are 22.7 G FMAs, 0.68 ms at an H200's 33.4 T a second,
+From two or three rows on (layers/linear.py says where), tensor cores. On CUDA cores every extra
+row costs at least one FMA per weight: on Qwen3-8B, 3 extra rows x 7.57 G weights are 22.7 G FMAs, 0.68 ms at an H200's 33.4 T a second,
 before any load or conversion; the GEMV took 10.6 ms for a chain of the model's products at 4 rows
 against 3.7 at one (tools/bench_splitk.py). `_tensor_core_kernel` makes the rows almost free. A
 program owns 64 weight rows and walks all of K, acc [64, 16] += W tile x^T (the weights are the

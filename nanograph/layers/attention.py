@@ -12,8 +12,9 @@ one query per sequence.
   the oracle every other backend is tested against.
 - `triton`: nanograph's own kernels (nanograph/kernels), reading the cache in place. They
   never synchronise with the host, so decode can be captured in a CUDA graph. For prefill, norm,
-  rotary and the K/V store are one kernel (kernels/kv_store.py); decode does all of it inside
-  its attention kernel (kernels/paged_decode.py), one dependent launch fewer per layer.
+  rotary and the K/V store are one kernel (kernels/kv_store.py); decode hands all of it to
+  kernels/paged_decode.py, which at small batch does it inside its attention kernel, one
+  dependent launch fewer per layer.
 - `flash_attn`: flash-attn's paged kernels (varlen prefill, `flash_attn_with_kvcache` decode)
   after the fused rotate-and-store kernel of `triton`; needs block size 256. Tested on an H100
   against `torch`, but by name only: `auto` takes `triton`, which measured faster at small-batch

@@ -16,8 +16,8 @@ rank bucket that holds all its adapters; a step without adapters has rank 0: no 
 all. The delta `y += (x A^T) B^T` of each row is computed
 - on CUDA by the BGMV kernels (kernels/lora.py): each row gathers its own slot's weights;
   capturable, so each (batch, rank) bucket has its own graph (cuda_graph.py). Where the product
-  is the few-row GEMV (`lora_inputs`) the GEMV adds the delta itself after a shrink kernel
-  (before the activation it applies to [gate | up]); after a cuBLAS product
+  is one of gemv.py's (up to 16 rows, `lora_inputs`) that kernel adds the delta after a shrink
+  kernel (before the activation it applies to [gate | up]); after a cuBLAS product
   (`linear_with_lora`) the expand kernel adds it. (The shrink on a side stream beside cuBLAS's
   product helped up to 16 rows and cost 1-2% at 32-64, README "Multi-LoRA"; since gemv.py's
   kernels took those rows, it runs in line.)
