@@ -256,11 +256,6 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
-def _fused_programs_per_sm(d_pad: int) -> int:
-    """The fused-path programs an SM's registers hold at once (see above)."""
-    return 2 if d_pad <= 64 else 1
-
-
 @functools.cache  # never evicted: a captured graph keeps using the buffer it was captured with
 def _arrival_counters(device: torch.device, size: int) -> torch.Tensor:
     """One zeroed int32 per (sequence, KV head); the merging program puts its entry back to 0.
@@ -287,7 +282,7 @@ def paged_decode_attention(q, k, v, positions, slot_mapping, cos, sin, q_weight,
     # From static shapes only, never more splits than key tiles: on the split path two waves of
     # programs over the SMs, rounded up; on the fused path one wave, rounded down (see above).
     fused, pairs, sms = batch <= FUSED_MAX_BATCH, batch * num_kv_heads, _sm_count(q.device)
-    programs = _fused_programs_per_sm(d_pad) * sms if fused else 2 * sms
+    programs = (2 if d_pad <= 64 else 1) * sms if fused else 2 * sms  # fused: the programs an SM's registers hold
     num_splits = max(1, min(programs // pairs if fused else triton.cdiv(programs, pairs), num_tiles))
 
     o_part = torch.empty(batch, num_q_heads, num_splits, d_pad, dtype=torch.float32, device=q.device)
