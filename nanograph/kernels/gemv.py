@@ -46,19 +46,19 @@ latency even when its weights are already in flight):
 The GEMV rounds like the torch path (layers/norm.py, models/decoder.py) at every step.
 
 From two or three rows on (layers/linear.py says where), tensor cores. On CUDA cores every extra
-row costs at least one FMA per weight: on Qwen3-8B, 3 extra rows x 7.57 G weights are 22.7 G FMAs, 0.68 ms at an H200's 33.4 T a second,
-before any load or conversion; the GEMV took 10.6 ms for a chain of the model's products at 4 rows
-against 3.7 at one (tools/bench_splitk.py). `_tensor_core_kernel` makes the rows almost free. A
-program owns 64 weight rows and walks all of K, acc [64, 16] += W tile x^T (the weights are the
-dot's first operand, "swap AB", so only the 16-row operand is padded). The weight tiles come by TMA:
-a tensor descriptor lets one thread move a 32 KB tile into shared memory, and Triton's pipeline
-keeps 4 in flight. That streams faster per SM than per-thread loads of the same tiles, which
+row costs at least one FMA per weight: on Qwen3-8B, 3 extra rows x 7.57 G weights are 22.7 G
+FMAs, 0.68 ms at an H200's 33.4 T a second, before any load or conversion; the GEMV took 10.6 ms
+for a chain of the model's products at 4 rows against 3.7 at one (tools/bench_splitk.py).
+`_tensor_core_kernel` makes the rows almost free. A program owns 64 weight rows and walks all of
+K, acc [64, 16] += W tile x^T (the weights are the dot's first operand, "swap AB", so only the
+16-row operand is padded). The weight tiles come by TMA: a tensor descriptor lets one thread move
+a 32 KB tile into shared memory, and Triton's pipeline keeps 4 in flight. That streams faster per SM than per-thread loads of the same tiles, which
 matters because 64-row tiles leave SMs idle on the narrow products (QKV and O of an 8B model: 96
 and 64 programs for 132 SMs): 4.15 against 4.30 ms for that chain at 4 rows, and 4.41 against 4.62
 ms for Qwen3-8B's whole step (H200). Narrower tiles or sharing a tile between programs (split K,
 stream-K) to fill the idle SMs cost more than the SMs (README, "Decode step by batch size"). It
-waits for the previous kernel before its first load, unlike the GEMV: the pipeline issues its
-first loads before the K loop, with nothing between them and the wait. The deferred norm is
+waits for the previous kernel before its first weight load, unlike the GEMV: the pipeline issues
+its first loads before the K loop, with nothing between them and the wait. The deferred norm is
 factored, rms_norm(x) W^T = (1 / rms) ((x * norm weight) W^T), the squares summed along the K walk,
 so it rounds unlike the torch path (well within bf16's precision). For [gate | up] the descriptor
 views the weight as [2, N, K], so that a tile holds 32 outputs' gate rows and then their up rows.
