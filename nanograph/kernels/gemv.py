@@ -49,15 +49,20 @@ From two or three rows on (layers/linear.py says where), tensor cores. On CUDA c
 row costs at least one FMA per weight: on Qwen3-8B, 3 extra rows x 7.57 G weights are 22.7 G
 FMAs, 0.68 ms at an H200's 33.4 T a second, before any load or conversion; the GEMV took 10.6 ms
 for a chain of the model's products at 4 rows against 3.7 at one (tools/bench_splitk.py).
-`_tensor_core_kernel` makes the rows almost free. A program owns 64 weight rows and walks all of
-K, acc [64, 16] += W tile x^T (the weights are the dot's first operand, "swap AB", so only the
-16-row operand is padded). The weight tiles come by TMA: a tensor descriptor lets one thread move
-a 32 KB tile into shared memory, and Triton's pipeline keeps 4 in flight. That streams faster per SM than per-thread loads of the same tiles, which
-matters because 64-row tiles leave SMs idle on the narrow products (QKV and O of an 8B model: 96
-and 64 programs for 132 SMs): 4.15 against 4.30 ms for that chain at 4 rows, and 4.41 against 4.62
-ms for Qwen3-8B's whole step (H200). Narrower tiles or sharing a tile between programs (split K,
-stream-K) to fill the idle SMs cost more than the SMs (README, "Decode step by batch size"). It
-waits for the previous kernel before its first weight load, unlike the GEMV: the pipeline issues
+`_tensor_core_kernel` makes the rows almost free. A program owns 64 weight rows and walks all of K,
+acc [64, 16] += W tile x^T (the weights are the dot's first operand, "swap AB", so only the 16-row
+operand is padded). The weight tiles come by TMA: a tensor descriptor lets one thread move a 32 KB
+tile into shared memory, and Triton's pipeline keeps 4 in flight. That streams faster per SM than
+per-thread loads of the same tiles, which matters because 64-row tiles leave SMs idle on the narrow
+products (QKV and O of an 8B model: 96 and 64 programs for 132 SMs): 4.15 against 4.30 ms for that
+chain at 4 rows, and 4.41 against 4.62 ms for Qwen3-8B's whole step (H200). Narrower tiles or
+sharing a tile between programs (split K, stream-K) to fill the idle SMs cost more than the SMs
+(README, "Decode step by batch size"). What the few programs of a narrow product need is more bytes
+in flight each: where the input has no residual to add (O, down, the LM head) a fifth tile fits in
+shared memory (205 KB of an SM's 227; with the residual's tiles it would not), and the fifth made
+the step 2.7-4.0% faster from 3 rows on Qwen3-0.6B (whose O and down have 16 programs) and from 2
+rows on Qwen3-1.7B and Llama-3.2-1B (32), with no clear change on Qwen3-8B (-1.3% to +1.7%; H200).
+It waits for the previous kernel before its first weight load, unlike the GEMV: the pipeline issues
 its first loads before the K loop, with nothing between them and the wait. The deferred norm is
 factored, rms_norm(x) W^T = (1 / rms) ((x * norm weight) W^T), the squares summed along the K walk,
 so it rounds unlike the torch path (well within bf16's precision). For [gate | up] the descriptor
@@ -247,8 +252,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         # the weight seen as [parts, N, K], a tile [parts, BLOCK_N, BLOCK_K]: BLOCK_N outputs' rows of every part
         kernel, w = _tensor_core_kernel, TensorDescriptor(
             weight, [parts, n, k], [n * weight.stride(0), weight.stride(0), 1], [parts, block_n, block_k])
-        own = dict(ROWS=16, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_stages=TC_STAGES,
-                   NUM_SLOTS=lora_b.shape[0] if lora else 0)
+        own = dict(ROWS=16, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+                   NUM_SLOTS=lora_b.shape[0] if lora else 0, num_stages=TC_STAGES + (residual is None))
     else:
         (block_n, block_k), kernel, w = tile_shape(n, k, silu_and_mul), _gemv_kernel, weight
         own = dict(ROWS=triton.next_power_of_2(num_rows), stride_wn=weight.stride(0))
