@@ -58,15 +58,16 @@ products (QKV and O of an 8B model: 96 and 64 programs for 132 SMs): 4.15 agains
 chain at 4 rows, and 4.41 against 4.62 ms for Qwen3-8B's whole step (H200). Narrower tiles or
 sharing a tile between programs (split K, stream-K) to fill the idle SMs cost more than the SMs
 (README, "Decode step by batch size"). What the few programs of a narrow product need is more bytes
-in flight each: where the input has no residual to add (O, down, the LM head) a fifth tile fits in
-shared memory (205 KB of an SM's 227; with the residual's tiles it would not), and the fifth made
-the step 2.7-4.0% faster from 3 rows on Qwen3-0.6B (whose O and down have 16 programs) and from 2
-rows on Qwen3-1.7B and Llama-3.2-1B (32), with no clear change on Qwen3-8B (-1.3% to +1.7%; H200).
-It waits for the previous kernel before its first weight load, unlike the GEMV: the pipeline issues
-its first loads before the K loop, with nothing between them and the wait. The deferred norm is
-factored, rms_norm(x) W^T = (1 / rms) ((x * norm weight) W^T), the squares summed along the K walk,
-so it rounds unlike the torch path (well within bf16's precision). For [gate | up] the descriptor
-views the weight as [2, N, K], so that a tile holds 32 outputs' gate rows and then their up rows.
+in flight each: where the input has no residual to add (O, down, the LM head, the first layer's QKV)
+a fifth tile fits in shared memory (205 KB of an SM's 227; with the residual's tiles it would not),
+and the fifth made the step 2.7-4.0% faster from 3 rows on Qwen3-0.6B (whose O and down have 16
+programs) and from 2 rows on Qwen3-1.7B and Llama-3.2-1B (32), with no clear change on Qwen3-8B
+(-1.3% to +1.7%; H200). It waits for the previous kernel before its first weight load, unlike the
+GEMV: the pipeline issues its first loads before the K loop, with nothing between them and the wait.
+The deferred norm is factored, rms_norm(x) W^T = (1 / rms) ((x * norm weight) W^T), the squares
+summed along the K walk, so it rounds unlike the torch path (well within bf16's precision). For
+[gate | up] the descriptor views the weight as [2, N, K], so that a tile holds 32 outputs' gate rows
+and then their up rows.
 
 LoRA on tensor cores. Up to 16 rows may use up to `max_loras` adapters, so the delta is grouped by
 adapter slot instead of by row: before the wait a program loads its B rows of every slot that some
@@ -86,7 +87,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from nanograph.kernels.pdl import launch_options, wait_for_previous_kernel
 
 TARGET_TILE, NUM_WARPS = 8192, 4  # GEMV: weight elements per program (BLOCK_N * padded K); both: warps
-TC_TILE_ROWS, TC_TILE_BYTES, TC_STAGES = 64, 32768, 4  # tensor cores: weight rows and bytes a tile, tiles in flight
+# tensor cores: weight rows and bytes a tile, tiles in flight (one more where no residual is added)
+TC_TILE_ROWS, TC_TILE_BYTES, TC_STAGES = 64, 32768, 4
 
 
 @triton.jit
