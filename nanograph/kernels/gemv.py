@@ -56,7 +56,8 @@ tile into shared memory, and Triton's pipeline keeps 4 in flight. That streams f
 per-thread loads of the same tiles, which matters because 64-row tiles leave SMs idle on the narrow
 products (QKV and O of an 8B model: 96 and 64 programs for 132 SMs): 4.15 against 4.30 ms for that
 chain at 4 rows, and 4.41 against 4.62 ms for Qwen3-8B's whole step (H200). Narrower tiles or
-sharing a tile between programs (split K, stream-K) to fill the idle SMs cost more than the SMs
+sharing a tile between programs (split K, stream-K) to fill the idle SMs cost more than the SMs,
+and the weights prefetched into L2 before the wait did not help: one SM's intake is the limit
 (README, "Decode step by batch size"). What the few programs of a narrow product need is more bytes
 in flight each: where the input has no residual to add (O, down, the LM head, the first layer's QKV)
 a fifth tile fits in shared memory (205 KB of an SM's 227; with the residual's tiles it would not),
