@@ -321,10 +321,11 @@ def test_decode(block_size, group, head_dim, batch):
 @pytest.mark.parametrize("head_dim", [80, 128, 256])
 @pytest.mark.parametrize("block_size", [16, 256])
 @pytest.mark.parametrize("batch", [3, 9])  # the fused kernel, rotate + split kernel
-def test_decode_dtypes_and_head_dims(dtype, head_dim, block_size, batch):
+@pytest.mark.parametrize("num_kv_heads", [2, 8])  # 8 at batch 3: the fused kernel's wider tiles (few splits)
+def test_decode_dtypes_and_head_dims(dtype, head_dim, block_size, batch, num_kv_heads):
     # Llama-like: no qk-norm (test_decode has it)
     lens = decode_lens(batch, torch.Generator().manual_seed(1))
-    check_decode("cuda", dtype, block_size, 4, head_dim, lens, qk_norm=False)
+    check_decode("cuda", dtype, block_size, 4, head_dim, lens, num_kv_heads, qk_norm=False)
 
 
 @pytest.mark.gpu
@@ -518,6 +519,13 @@ def test_decode_interpreter(dtype, group, head_dim, qk_norm, lens, monkeypatch):
     import triton.language as tl
     monkeypatch.setattr(kernels()[1], "MERGE_SPLITS", tl.constexpr(2))  # 3 working splits: the merge takes 2 loads
     check_decode("cpu", dtype, 16, group, head_dim, lens, qk_norm=qk_norm)
+
+
+@requires_interpreter
+def test_decode_interpreter_wide_tiles(monkeypatch):
+    # 16 SMs: 4 fused splits for 8 (sequence, KV head) pairs, under 8, so 128 keys a tile in 256-key blocks
+    monkeypatch.setattr(kernels()[1], "_sm_count", lambda device: 16)
+    check_decode("cpu", torch.float32, 256, 2, 48, [0, 17, 300, 700])
 
 
 @requires_interpreter

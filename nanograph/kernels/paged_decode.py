@@ -70,13 +70,13 @@ kernel from its context length): a short context in a wide block table still
 spreads over all splits.
 
 The fused path aims for one wave instead: as many programs as the SMs hold at
-once, rounded down. Its programs are register-bound (8 warps; ptxas for sm_90
-gives them 253-255 registers a thread at head_dim 128 with the device's Triton
-3.6, so one program to an SM, and 121 at head_dim 64, so two), and a program of
-a second wave only starts once one of the first is done, which the merge then
-waits for. (Rounding up made a third, partial wave: batch 4 with 8 KV heads, 9
-splits of two waves, 288 programs on an H100's 132 SMs; rounded down, Qwen3-0.6B
-batch 4 at context 4000 took 2.167 ms per step against 2.530, H100.) One wave
+once, rounded down. Its programs are register-bound (8 warps; with the device's
+Triton 3.6 they take 182 registers a thread at head_dim 128, 238 with the wider
+tiles below, so one program to an SM, and 110 at head_dim 64, so two), and a
+program of a second wave only starts once one of the first is done, which the
+merge then waits for. (Rounding up made a third, partial wave: batch 4 with 8 KV
+heads, 9 splits of two waves, 288 programs on an H100's 132 SMs; rounded down,
+Qwen3-0.6B batch 4 at context 4000 took 2.167 ms per step against 2.530, H100.) One wave
 against two waves of one program to an SM, the rule before (H200, bench's
 decode step in one call per shape, ms at batch 1 / 2 / 3 / 4):
 
@@ -96,6 +96,32 @@ SM, that is half the splits, cost up to 13% at context 4000 (1.460 ms per step
 at batch 4 against 1.294): there the rule keeps two. On an H100, at an earlier
 commit, one wave measured up to 23% slower on Qwen3-0.6B at context 4000
 (README, "How batch 1 got to 0.70 ms"); not measured there since.
+
+One wave leaves few splits at batch 3-4: on 8 KV heads 5 and 4 a (sequence, KV
+head), so at context 512 a split has two tiles of 64 keys, and the second is
+loaded after the wait and folded in by a loop that is not pipelined. So where
+the fused path has fewer than 8 splits a (sequence, KV head), a tile holds twice
+the keys: at context 512 a split's keys are then one tile, loaded before the
+wait. Measured (H200, engines of both kinds in one process, best of 3 x 30 steps,
+ms at batch 3 / 4; at batch 1, 2, 6 and 8 both ran the same kernels):
+
+| shape | context | 128 keys a tile | 64 keys a tile |
+| --- | ---: | --- | --- |
+| Qwen3-0.6B | 512 | 0.909 / 0.920 | 0.933 / 0.941 |
+| Qwen3-1.7B | 512 | 1.514 / 1.528 | 1.541 / 1.556 |
+| Qwen3-4B | 512 | 2.831 / 2.839 | 2.925 / 2.932 |
+| Qwen3-8B | 512 | 4.314 / 4.378 | 4.396 / 4.392 |
+| Llama-3.1-8B | 512 | 4.245 / 4.320 | 4.374 / 4.364 |
+| Qwen3-0.6B | 4000 | 1.537 / 1.652 | 1.690 / 1.904 |
+| Qwen3-1.7B | 4000 | 2.138 / 2.254 | 2.289 / 2.510 |
+| Qwen3-8B | 4000 | 5.191 / 5.301 | 5.413 / 5.695 |
+
+At context 4000 batch 4 had cost more than batch 6 (the split path) on these
+three shapes; now it costs less. With 8-16 splits (batch 1-2) the wider tiles
+halve the working splits at context 512 and were slower (batch 1: Qwen3-0.6B
+0.613 ms against 0.574, Qwen3-8B 4.256 against 4.004; at context 4000 Qwen3-0.6B
+0.807 against 0.831, Qwen3-8B 4.608 against 4.273), and at head_dim 64
+(Llama-3.2-1B, 8 splits at batch 4) 1.1-1.4% slower at batch 3-4.
 
 CUDA graphs. The kernel is captured once and replayed with other context
 lengths, so everything that shapes the launch (grid, scratch buffers) is
@@ -276,13 +302,14 @@ def paged_decode_attention(q, k, v, positions, slot_mapping, cos, sin, q_weight,
     assert q.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
 
     d_pad = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16
-    # Keep the K and V tiles of one step within ~32 KB each, even at head_dim 256.
-    block_n = min(block_size, KEYS_PER_TILE if d_pad <= 128 else KEYS_PER_TILE // 2)
-    num_tiles = block_tables.shape[1] * block_size // block_n
     # From static shapes only, never more splits than key tiles: on the split path two waves of
     # programs over the SMs, rounded up; on the fused path one wave, rounded down (see above).
     fused, pairs, sms = batch <= FUSED_MAX_BATCH, batch * num_kv_heads, _sm_count(q.device)
     programs = (2 if d_pad <= 64 else 1) * sms if fused else 2 * sms  # fused: the programs an SM's registers hold
+    # 64 keys a tile (32 above head_dim 128: the same bytes); twice as many on the fused path when
+    # it has fewer than 8 splits a (sequence, KV head) (see above).
+    block_n = min(block_size, KEYS_PER_TILE * (2 if fused and programs // pairs < 8 else 1) * 128 // max(d_pad, 128))
+    num_tiles = block_tables.shape[1] * block_size // block_n
     num_splits = max(1, min(programs // pairs if fused else triton.cdiv(programs, pairs), num_tiles))
 
     o_part = torch.empty(batch, num_q_heads, num_splits, d_pad, dtype=torch.float32, device=q.device)
