@@ -99,7 +99,7 @@ two engines of each: 3.975 / 3.985 against 3.951 / 3.957, and batch 4 4.761 /
 SM, that is half the splits, cost up to 13% at context 4000 (1.460 ms per step
 at batch 4 against 1.294): there the rule keeps two. On an H100, at an earlier
 commit, one wave measured up to 23% slower on Qwen3-0.6B at context 4000
-(README, "How batch 1 got to 0.70 ms"); not measured there since.
+(batch 2: 1.718 ms per step against 1.395); not measured there since.
 
 One wave leaves few splits at batch 3-4: on 8 KV heads 5 and 4 a (sequence, KV
 head), so at context 512 a split has two tiles of 64 keys, and the second is
