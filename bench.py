@@ -948,7 +948,7 @@ def write_lora_adapters(model_dir: str, n: int, rank: int, dtype: str, root: str
     from safetensors.torch import save_file
     from transformers import AutoConfig
 
-    from nanograph.lora import TARGETS, LoRARequest, module_shapes
+    from nanograph.adapter import TARGETS, LoRARequest, module_shapes
     hf = AutoConfig.from_pretrained(model_dir)
     shapes, requests = module_shapes(hf), []
     for a in range(n):
@@ -987,11 +987,11 @@ def lora_sweep_row(setup: Setup, base, lora, bs: int, rank: int, n: int) -> dict
 def measure_lora_sweep(setup: Setup, adapters: list) -> dict:
     """A base engine and a LoRA engine (max_loras = the adapters, max_lora_rank = their rank), alive
     together with the same ladder (= the sweep sizes) and KV cache, the adapters loaded in slots."""
-    from nanograph.layers.lora import load_adapter
-    from nanograph.lora import read_adapter
+    from nanograph.layers.lora_slots import load_adapter
+    from nanograph.adapter import read_adapter
     args = setup.args
     sizes = ladder_sizes("pow2", min(64, args.sweep_max_bs))
-    rank = args.lora_rank  # the step's rank bucket: with max_lora_rank = R, R is a bucket (layers/lora.py)
+    rank = args.lora_rank  # the step's rank bucket: with max_lora_rank = R, R is a bucket (layers/lora_slots.py)
     with sweep_engine(setup, sizes) as base, sweep_engine(setup, sizes, enable_lora=True, max_loras=len(adapters),
                                                            max_lora_rank=args.lora_rank) as lora:
         for slot, request in enumerate(adapters):

@@ -44,8 +44,8 @@ from nanograph.engine.model_runner import InFlight, ModelRunner
 from nanograph.engine.scheduler import Scheduler
 from nanograph.engine.sequence import Sequence
 from nanograph.engine.tp import TensorParallelRunner
-from nanograph.layers.lora import rank_buckets
-from nanograph.lora import Adapter, LoRARequest, read_adapter
+from nanograph.layers.lora_slots import rank_buckets
+from nanograph.adapter import Adapter, LoRARequest, read_adapter
 from nanograph.sampling_params import SamplingParams
 
 

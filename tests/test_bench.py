@@ -188,7 +188,7 @@ def test_lora_adapters_are_peft_directories_the_engine_accepts(tmp_path):
     from safetensors import safe_open
     from transformers import AutoConfig
 
-    from nanograph.lora import TARGETS, read_adapter
+    from nanograph.adapter import TARGETS, read_adapter
     model = bench.write_model_dir("tiny", str(tmp_path))
     hf = AutoConfig.from_pretrained(model)
     requests = bench.write_lora_adapters(model, 2, 8, "bfloat16", str(tmp_path))

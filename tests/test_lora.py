@@ -76,13 +76,13 @@ def test_prefix_cache_is_keyed_by_adapter(tiny_model, adapters):
 
 
 def test_fold_gives_the_consumers_h_before_its_norm(tiny_model, adapters):
-    """layers/lora.py's fold: a producer's folded parts times [its input | the residual stream],
+    """layers/lora_slots.py's fold: a producer's folded parts times [its input | the residual stream],
     scaled by the consumer's norm's 1 / rms, equal the consumer's own shrink of
     norm(the producer's output, its LoRA delta included, + residual), for every fold of the
     model (o -> gate/up, down -> the next layer's q/k/v), on random inputs."""
-    from nanograph.layers.lora import load_adapter
+    from nanograph.layers.lora_slots import load_adapter
     from nanograph.layers.norm import rms_norm
-    from nanograph.lora import read_adapter
+    from nanograph.adapter import read_adapter
     from nanograph.utils.context import StepMetadata, set_step_metadata
 
     path, request = tiny_model("qwen3"), adapters("qwen3")["all16"]

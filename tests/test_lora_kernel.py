@@ -1,4 +1,4 @@
-"""kernels/lora.py's batched multi-LoRA product (shrink then expand, and shrink then the GEMV of
+"""kernels/bgmv.py's batched multi-LoRA product (shrink then expand, and shrink then the GEMV of
 kernels/gemv.py adding the delta itself) against a plain per-row torch loop.
 
 Adapters are stored as the engine stores them: slot s of rank r_s <= rank has A rows and B
@@ -59,7 +59,7 @@ def make_inputs(gen, num_rows, k, part_sizes, max_rank, rank, dtype, poison_past
 
 def lora_bgmv(x, y, lora_a, lora_b, slots, starts, rank):
     """The cuBLAS path's delta: shrink, then expand into y."""
-    from nanograph.kernels.lora import lora_expand, lora_shrink
+    from nanograph.kernels.bgmv import lora_expand, lora_shrink
     lora_expand(y, lora_shrink(x, lora_a, slots, rank), lora_b, slots, starts)
 
 
@@ -91,14 +91,14 @@ def check_gemv_lora(device, dtype, num_rows, k, part_sizes, deferred, rank=8, ma
     """The GEMV path: a shrink, then the GEMV (or, tensor_cores, the other kernel of gemv.py) that adds the delta itself, against F.linear plus the
     oracle's delta on the GEMV's input (x, or with deferred="norm" rms_norm(x + residual)); with two
     equal parts ([gate | up]) the GEMV also applies the MLP's activation to the sum, as in the
-    model. The deferred norm's h comes as in the engine, from a fold (layers/lora.py): x is the
+    model. The deferred norm's h comes as in the engine, from a fold (layers/lora_slots.py): x is the
     output p W_p^T of a producer with input p, and the producer's shrink multiplies [p | residual]
     by its folded parts (A diag(norm weight)) [W_p | I]; the GEMV takes those parts (a strided view
     past the producer's own) and applies the norm's 1 / rms. Slot -1 rows must get exactly the
     GEMV's product without LoRA."""
     pytest.importorskip("triton")
     from nanograph.kernels.gemv import gemv
-    from nanograph.kernels.lora import lora_shrink
+    from nanograph.kernels.bgmv import lora_shrink
     from nanograph.layers.norm import rms_norm
     from nanograph.models.decoder import silu_and_mul
 
@@ -236,8 +236,8 @@ def test_lora_bgmv_rank_is_max_rank_interpreter():
 @requires_interpreter
 def test_lora_bgmv_small_tiles_interpreter(monkeypatch):
     """Several rank blocks per part and output tiles that straddle parts; NaN past the rank bucket."""
-    from nanograph.kernels import lora
+    from nanograph.kernels import bgmv
 
-    monkeypatch.setattr(lora, "SHRINK_TILE", 256)
-    monkeypatch.setattr(lora, "EXPAND_TILE", 128)
+    monkeypatch.setattr(bgmv, "SHRINK_TILE", 256)
+    monkeypatch.setattr(bgmv, "EXPAND_TILE", 128)
     check_lora_bgmv("cpu", torch.float32, 6, 64, (40, 17, 23), 32, 16, poison_past_rank=True)

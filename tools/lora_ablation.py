@@ -6,7 +6,7 @@ On one bench shape (bench.py --shape; dummy bf16 weights), engines alive side by
 graphs for exactly the batches and 4 random adapters of --rank round-robin over the rows:
 - `base`: no LoRA at all;
 - `lora`: what nanograph runs (on the GEMV path: two shrink kernels per layer, each also making
-  the next projection's folded h, layers/lora.py);
+  the next projection's folded h, layers/lora_slots.py);
 - `no shrink`: every LoRA layer gets a scratch h instead of launching a shrink kernel (the norms
   stay deferred, the GEMVs still add B h): the gap to `lora` is what the shrink kernels cost;
 - `no delta`: the shrink kernels run but the GEMVs get no LoRA input: the gap to `lora` is what
@@ -24,8 +24,8 @@ import torch
 import nanograph.layers.linear as linear
 from bench import BENCH_SHAPES, decode_step, time_forward, write_lora_adapters, write_model_dir
 from nanograph import LLM
-from nanograph.layers.lora import load_adapter, lora_inputs
-from nanograph.lora import read_adapter
+from nanograph.layers.lora_slots import load_adapter, lora_inputs
+from nanograph.adapter import read_adapter
 from nanograph.utils.context import get_step_metadata
 
 NUM_ADAPTERS, CONTEXT, BLOCK_SIZE = 4, 512, 256

@@ -41,7 +41,7 @@ Every tensor-parallel rank computes the same ladder from the same config, as its
 require.
 
 The grid with LoRA (`enable_lora`): a graph also fixes how much LoRA work each layer does (none,
-or the LoRA kernels over `rank` rank columns, layers/lora.py), so graphs are keyed by (batch
+or the LoRA kernels over `rank` rank columns, layers/lora_slots.py), so graphs are keyed by (batch
 bucket, rank bucket), rank buckets 0, 8, 16, 32, 64 up to `max_lora_rank`; a step replays the
 graph of its batch bucket and of the smallest rank bucket that holds its largest adapter rank,
 and a step without adapters the rank-0 graph, which has no LoRA kernels at all. Every batch
@@ -62,8 +62,8 @@ import torch
 from tqdm.auto import tqdm
 
 from nanograph.engine.step import TokenTable
-from nanograph.layers.lora import rank_buckets
-from nanograph.layers.sampler import race
+from nanograph.layers.lora_slots import rank_buckets
+from nanograph.layers.sampler import sample_softmax
 from nanograph.utils.context import StepMetadata, set_step_metadata
 
 log = logging.getLogger("nanograph")
@@ -170,7 +170,7 @@ class CudaGraphRunner:
                                        dev["block_tables"][:bs], lora_rank=rank, lora_slots=dev["lora_slots"][:bs]))
         hidden = self.model(self.tokens.resolve(dev["input_ids"][:bs]), dev["positions"][:bs])
         self.logits[:bs] = self.model.compute_logits(hidden)
-        self.sampled[:bs] = race(self.logits[:bs], dev["temperatures"][:bs], dev["seeds"][:bs], dev["context_lens"][:bs])
+        self.sampled[:bs] = sample_softmax(self.logits[:bs], dev["temperatures"][:bs], dev["seeds"][:bs], dev["context_lens"][:bs])
         self.tokens.put(self.sampled[:bs])
 
     @torch.inference_mode()

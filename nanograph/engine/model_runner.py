@@ -28,7 +28,7 @@ from nanograph.config import Config
 from nanograph.engine.cuda_graph import CudaGraphRunner
 from nanograph.engine.scheduler import Batch
 from nanograph.engine.step import StepInput, TokenTable, build_step
-from nanograph.layers.lora import add_lora_buffers, load_adapter
+from nanograph.layers.lora_slots import add_lora_buffers, load_adapter
 from nanograph.layers.sampler import sample
 from nanograph.models.decoder import DecoderForCausalLM
 from nanograph.utils.context import StepMetadata, set_step_metadata

@@ -31,7 +31,7 @@ scheduled before this one's tokens are back:
 The per-step facts (rows, token counts, where each sampled token goes) live in the `Batch`,
 not on the sequences, since the next `schedule` runs before this step's `update`.
 
-LoRA adapters (layers/lora.py) live in `max_loras` GPU slots, so no step may use more adapters
+LoRA adapters (layers/lora_slots.py) live in `max_loras` GPU slots, so no step may use more adapters
 than that. Admission keeps it so: a waiting sequence whose adapter is not already used by a
 running one waits while `max_loras` adapters are in use (more adapters than slots are served in
 turn). Each step then gets a slot for every adapter it uses: the one the adapter already has,

@@ -11,7 +11,7 @@ from enum import Enum, auto
 
 import xxhash
 
-from nanograph.lora import Adapter
+from nanograph.adapter import Adapter
 from nanograph.sampling_params import SamplingParams
 
 

@@ -32,8 +32,8 @@ latency even when its weights are already in flight):
   reduced (and gets its LoRA delta) the same way, and writes silu(gate) * up directly.
 - `lora`: in a step with LoRA adapters each row adds its adapter's delta B h to its outputs;
   the B rows of each row's adapter are loaded before the wait, like the weights. h, a few
-  numbers per row, comes from kernels/lora.py's shrink kernel. Behind a deferred norm it is a
-  fold's (layers/lora.py): made by the shrink of the layer before, from that layer's input and
+  numbers per row, comes from kernels/bgmv.py's shrink kernel. Behind a deferred norm it is a
+  fold's (layers/lora_slots.py): made by the shrink of the layer before, from that layer's input and
   the residual stream, and missing only the norm's 1 / rms, which this kernel computes anyway
   and applies. So of a layer's four projections only O and down launch a shrink, and the norms
   stay deferred. (A shrink as the first programs of this kernel's own launch, the others
@@ -157,7 +157,7 @@ def _gemv_kernel(
         lora_scale = 1.0
         if NORM:  # rounded like layers/norm.py
             f = x.to(tl.float32)
-            lora_scale = tl.rsqrt(tl.sum(f * f, 0) / K + eps)  # a fold's h lacks the norm's 1 / rms (layers/lora.py)
+            lora_scale = tl.rsqrt(tl.sum(f * f, 0) / K + eps)  # a fold's h lacks the norm's 1 / rms (layers/lora_slots.py)
             x = norm_w * (f * lora_scale).to(x.dtype)
         y = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], 1) + bias
         if LORA_RANK > 0:
@@ -215,7 +215,7 @@ def _tensor_core_kernel(
             h_s = tl.where(slots[:, None] == s, h, 0.0).to(b[s].dtype)
             acc = tl.dot(tl.where(in_part, b[s], 0.0), tl.trans(h_s), acc, input_precision=DOT_PRECISION)
     y = tl.trans(acc)
-    if NORM:  # a fold's h lacks the 1 / rms too (layers/lora.py): it gets it here with the product's
+    if NORM:  # a fold's h lacks the 1 / rms too (layers/lora_slots.py): it gets it here with the product's
         y *= tl.rsqrt(sum_sq / K + eps)[:, None]
     y += tl.load(bias_ptr + w_rows, mask=w_rows < num_w_rows * HAS_BIAS, other=0.0).to(tl.float32)[None, :]
     dtype = out_ptr.dtype.element_ty
@@ -239,7 +239,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     with silu_and_mul); bias: [N] / [2N] or None. Returns [M, N]: x W^T + bias, or silu(gate) * up.
     With norm_weight the input is rms_norm(x (+ residual)) instead of x, and x + residual is
     written to residual_out. With lora = (h, lora_b, token_slots, part_starts) each row also adds
-    its adapter's delta B h (before the activation): h [M, parts, rank] from kernels/lora.py's
+    its adapter's delta B h (before the activation): h [M, parts, rank] from kernels/bgmv.py's
     lora_shrink, lora_b [slots, weight rows, R >= rank], token_slots [M] (-1: none), part_starts
     where each part's weight rows start."""
     num_rows, k = x.shape

@@ -35,8 +35,10 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
+    gemv_rows = 2  # the model's gemv_max_rows (models/decoder.py sets it)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = linear(hidden, self.weight)
+        logits = linear(hidden, self.weight, gemv_rows=self.gemv_rows)
         if tp_size() > 1:
             parts = [torch.empty_like(logits) for _ in range(tp_size())]
             dist.all_gather(parts, logits)

@@ -10,7 +10,7 @@ Every parameter carries a `weight_loader(param, loaded_weight, shard_id)` that c
 slice out of the full checkpoint tensor, so the loader never needs to know the sharding.
 With tp=1 every class degenerates into a plain nn.Linear.
 
-With `enable_lora` each layer also adds its rows' LoRA deltas (layers/lora.py); `load_lora`
+With `enable_lora` each layer also adds its rows' LoRA deltas (layers/lora_slots.py); `load_lora`
 cuts this rank's share of an adapter the way `weight_loader` does for the weight.
 
 On CUDA, products of up to 16 rows (decode at small batch) go to kernels/gemv.py, which streams
@@ -28,16 +28,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from nanograph.layers.lora import linear_with_lora, lora_inputs
+from nanograph.layers.lora_slots import linear_with_lora, lora_inputs
 from nanograph.layers.norm import DeferredNorm
 
 
-GEMV_MAX_ROWS = 2  # rows on CUDA cores, set for the model being built by configure_gemv; tensor cores up to 16
-
-
-def configure_gemv(widest_input: int) -> None:
-    global GEMV_MAX_ROWS
-    GEMV_MAX_ROWS = 2 if widest_input <= 4096 else 1
+def gemv_max_rows(widest_input: int) -> int:
+    """Up to how many rows the CUDA-core GEMV runs a model whose widest product input is
+    `widest_input` (the tensor-core kernel takes the rest up to 16): see the docstring above."""
+    return 2 if widest_input <= 4096 else 1
 
 
 def use_gemv(x: torch.Tensor | DeferredNorm) -> bool:
@@ -46,16 +44,18 @@ def use_gemv(x: torch.Tensor | DeferredNorm) -> bool:
 
 
 def linear(x: torch.Tensor | DeferredNorm, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           silu_and_mul: bool = False, layer=None, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T + bias, plus each row's LoRA delta when `layer` is a LoRA target (layers/lora.py).
+           silu_and_mul: bool = False, layer=None, residual: torch.Tensor | None = None,
+           gemv_rows: int = 2) -> torch.Tensor:
+    """x W^T + bias, plus each row's LoRA delta when `layer` is a LoRA target (layers/lora_slots.py).
     gemv.py's kernels also take a DeferredNorm as x and can apply the MLP's activation to a [gate | up]
-    product (the cuBLAS path leaves that to the caller); they add the delta themselves."""
+    product (the cuBLAS path leaves that to the caller); they add the delta themselves.
+    `gemv_rows`: up to how many rows the CUDA-core GEMV runs (the model's `gemv_max_rows`)."""
     if not use_gemv(x):
         return linear_with_lora(x, weight, bias, layer)
     from nanograph.kernels.gemv import gemv
     lora, x = lora_inputs(x, layer, residual), x if isinstance(x, DeferredNorm) else DeferredNorm(x)
     return gemv(x.x, weight, bias, silu_and_mul, x.weight, x.eps, x.residual, x.residual_out, lora,
-                tensor_cores=x.x.shape[0] > GEMV_MAX_ROWS)
+                tensor_cores=x.x.shape[0] > gemv_rows)
 
 
 def parameter(data: torch.Tensor, weight_loader) -> nn.Parameter:
@@ -75,7 +75,8 @@ def tp_size() -> int:
 
 class ColumnParallelLinear(nn.Module):
     """y = x W^T with W's rows (output features) split across ranks; output stays sharded."""
-    lora_a = lora_b = None  # with enable_lora: the adapter slots (layers/lora.py)
+    lora_a = lora_b = None  # with enable_lora: the adapter slots (layers/lora_slots.py)
+    gemv_rows = 2           # the model's gemv_max_rows (models/decoder.py sets it)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
@@ -100,7 +101,7 @@ class ColumnParallelLinear(nn.Module):
         self.lora_b[slot, offset:offset + rows, :b.shape[1]] = b[start:start + rows]
 
     def forward(self, x: torch.Tensor, silu_and_mul: bool = False) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, silu_and_mul, self)
+        return linear(x, self.weight, self.bias, silu_and_mul, layer=self, gemv_rows=self.gemv_rows)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -147,6 +148,7 @@ class RowParallelLinear(nn.Module):
     """y = x W^T with W's columns (input features) split: each rank's product is a partial sum,
     all-reduced. The bias is added once, after the sum."""
     lora_a = lora_b = None
+    gemv_rows = 2
     part_starts = (0,)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
@@ -164,8 +166,8 @@ class RowParallelLinear(nn.Module):
         self.lora_b[slot, :, :b.shape[1]] = b
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """residual: the stream the next norm adds to y, for a LoRA fold (layers/lora.py)."""
-        y = linear(x, self.weight, layer=self, residual=residual)
+        """residual: the stream the next norm adds to y, for a LoRA fold (layers/lora_slots.py)."""
+        y = linear(x, self.weight, layer=self, residual=residual, gemv_rows=self.gemv_rows)
         if tp_size() > 1:
             dist.all_reduce(y)
         return y if self.bias is None else y + self.bias

@@ -43,7 +43,7 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
 
 
 @cuda_compiled
-def race(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+def sample_softmax(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """logits [B, V]; per row its temperature (0 = greedy), seed and length (the index of the token
     being sampled) -> token ids [B]."""
     key = mix32(mix32(seeds.long() & MASK32) ^ lengths.long())[:, None]  # one stream per (seed, index)
@@ -82,4 +82,4 @@ def sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor
     if top_ks is not None:  # what top-k / top-p of the tempered distribution leave out can't win
         tempered = logits.float() / temperatures.clamp(min=1e-5)[:, None]
         logits = logits.float().masked_fill(top_k_top_p_filter(tempered, top_ks, top_ps).isinf(), float("-inf"))
-    return race(logits, temperatures, seeds, lengths)
+    return sample_softmax(logits, temperatures, seeds, lengths)

@@ -16,8 +16,8 @@ from torch import nn
 
 from nanograph.layers.attention import Attention
 from nanograph.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
-from nanograph.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, configure_gemv,
-                                     tp_size, use_gemv)
+from nanograph.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
+                                     gemv_max_rows, tp_size, use_gemv)
 from nanograph.layers.norm import RMSNorm
 from nanograph.layers.rotary import RotaryEmbedding
 from nanograph.utils.compile import cuda_compiled
@@ -79,7 +79,7 @@ class DecoderLayer(nn.Module):
     def forward(self, positions, x, residual):
         # residual carries the un-normalised stream; at small decode batches on CUDA both norms
         # are deferred into the GEMV that reads them (see norm.py), in a LoRA step only where a
-        # fold has made the GEMV's h (layers/lora.py): not the first layer's, nor with tp > 1
+        # fold has made the GEMV's h (layers/lora_slots.py): not the first layer's, nor with tp > 1
         md, defer = get_step_metadata(), use_gemv(x)
         x, residual = self.input_layernorm(x, residual, defer and not (md.lora_rank and md.lora_fold is None))
         x = self.self_attn(positions, x, residual)
@@ -113,12 +113,17 @@ class DecoderForCausalLM(nn.Module):
         super().__init__()
         if cfg.model_type not in ("llama", "qwen2", "qwen3"):
             raise ValueError(f"model_type {cfg.model_type!r} is not supported (llama, qwen2, qwen3 are)")
-        configure_gemv(max(cfg.hidden_size, cfg.num_attention_heads * head_dim(cfg) // tp_size(),
-                           cfg.intermediate_size // tp_size()))
         self.model = DecoderModel(cfg)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        widest_input = max(cfg.hidden_size,
+                           cfg.num_attention_heads * head_dim(cfg) // tp_size(),
+                           cfg.intermediate_size // tp_size())
+        self.gemv_max_rows = gemv_max_rows(widest_input)
+        for module in self.modules():
+            if hasattr(module, "gemv_rows"):
+                module.gemv_rows = self.gemv_max_rows
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
@@ -126,7 +131,7 @@ class DecoderForCausalLM(nn.Module):
     def lora_folds(self) -> list[tuple]:
         """(producer, consumer, norm): the consumer's input is norm(the producer's output + the
         residual stream). With one rank and no bias in the producer, the consumer's LoRA shrink
-        folds into the producer's (layers/lora.py)."""
+        folds into the producer's (layers/lora_slots.py)."""
         layers = self.model.layers
         folds = [(layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.post_attention_layernorm) for layer in layers]
         folds += [(a.mlp.down_proj, b.self_attn.qkv_proj, b.input_layernorm) for a, b in zip(layers, layers[1:])]

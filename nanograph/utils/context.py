@@ -28,7 +28,7 @@ class StepMetadata:
     host_context_lens: list[int] | None = None  # torch backend can slice without syncing
     lora_rank: int = 0                          # rank bucket of the step's adapters, 0 = no LoRA work
     lora_slots: torch.Tensor | None = None      # [num_tokens] int32 adapter slot of each token, -1 = none
-    lora_fold: torch.Tensor | None = None       # a producer's folded h for the next LoRA layer (layers/lora.py)
+    lora_fold: torch.Tensor | None = None       # a producer's folded h for the next LoRA layer (layers/lora_slots.py)
 
 
 _metadata: StepMetadata | None = None

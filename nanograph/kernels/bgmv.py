@@ -15,7 +15,7 @@ rows x parts x rank blocks) computes them, "expand" (grid rows x output tiles) r
 part that owns each output feature (a fused layer's outputs are its parts stacked: q|k|v,
 gate|up) and adds the delta to y in fp32, rounding once. Where the product itself is the
 GEMV of gemv.py (a few rows), the GEMV does the expand as it computes y (one kernel fewer).
-There the shrink of the O and down projections also computes a fold (layers/lora.py): parts
+There the shrink of the O and down projections also computes a fold (layers/lora_slots.py): parts
 after the layer's own whose A rows span [x | residual], K + RES_K columns, and give the h of the
 projection after the next norm (gate/up, the next layer's q/k/v) but for the norm's 1 / rms,
 which that GEMV applies; the A of the own parts is zero past K. The rank is not a tensor dimension of
@@ -51,7 +51,7 @@ SHRINK_TILE, EXPAND_TILE, NUM_WARPS = 8192, 4096, 4  # weight elements per progr
 def _shrink_kernel(x_ptr, residual_ptr, a_ptr, h_ptr, slots_ptr, K, RES_K, stride_xt, stride_rt, stride_as, stride_ap,
                    stride_ar, RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """h[t, p, r] = A[slot, p, r, :] . x[t] for BLOCK_R ranks r of row t, part p. With RES_K > 0 the
-    row is [x[t] | residual[t]], K + RES_K columns (a fold, layers/lora.py; the A of the layer's
+    row is [x[t] | residual[t]], K + RES_K columns (a fold, layers/lora_slots.py; the A of the layer's
     own parts is zero past K)."""
     t, p = tl.program_id(0), tl.program_id(1)
     ranks = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -91,7 +91,7 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor
     """h [T, P, rank] float32, h[t, p] = lora_a[s, p, :rank] x[t] with s = token_slots[t] (rows with
     slot -1 are left unwritten). x: [T, K]; lora_a: [S, P, R, K (+ residual's width)]; token_slots:
     [T] int32; 1 <= rank <= R: only the first `rank` rank columns are read (one compile per value).
-    With a residual [T, K2] every part multiplies [x | residual] (a fold, layers/lora.py; the
+    With a residual [T, K2] every part multiplies [x | residual] (a fold, layers/lora_slots.py; the
     layer's own parts are zero past K)."""
     (num_rows, k), res_k = x.shape, 0 if residual is None else residual.shape[1]
     assert x.stride(-1) == lora_a.stride(-1) == 1 and lora_a.shape[3] == k + res_k and 1 <= rank <= lora_a.shape[2]

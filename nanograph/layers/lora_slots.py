@@ -14,7 +14,7 @@ of A and all of B, so its delta is a partial sum that the layer's all-reduce com
 Each row of a step names its slot (-1: the base model), and the step's rank is the smallest
 rank bucket that holds all its adapters; a step without adapters has rank 0: no LoRA work at
 all. The delta `y += (x A^T) B^T` of each row is computed
-- on CUDA by the BGMV kernels (kernels/lora.py): each row gathers its own slot's weights;
+- on CUDA by the BGMV kernels (kernels/bgmv.py): each row gathers its own slot's weights;
   capturable, so each (batch, rank) bucket has its own graph (cuda_graph.py). Where the product
   is one of gemv.py's (up to 16 rows, `lora_inputs`) that kernel adds the delta after a shrink
   kernel (before the activation it applies to [gate | up]); after a cuBLAS product
@@ -44,7 +44,7 @@ each adapter load does two matmuls per fold. Measured: README, "Multi-LoRA".
 import torch
 
 from nanograph.layers.norm import DeferredNorm
-from nanograph.lora import Adapter, adapter_weights
+from nanograph.adapter import Adapter, adapter_weights
 from nanograph.utils.context import get_step_metadata
 
 RANK_BUCKETS = (8, 16, 32, 64)
@@ -85,14 +85,14 @@ def load_adapter(model, slot: int, adapter: Adapter) -> None:
 
 
 def lora_inputs(x: torch.Tensor | DeferredNorm, layer, residual: torch.Tensor | None = None) -> tuple | None:
-    """CUDA: the first half of each row's delta, h = x A^T of the row's adapter (kernels/lora.py's
+    """CUDA: the first half of each row's delta, h = x A^T of the row's adapter (kernels/bgmv.py's
     shrink), with what the second half needs: (h, lora_b, slots, part_starts). None when `layer`
     (None: not a LoRA target) adds no delta this step. On the GEMV path (`residual` given) a
     producer's shrink also makes its consumer's folded h, which the consumer then takes, its
     input being a DeferredNorm."""
     if getattr(layer, "lora_a", None) is None or get_step_metadata().lora_rank == 0:
         return None
-    from nanograph.kernels.lora import lora_shrink
+    from nanograph.kernels.bgmv import lora_shrink
     md, own = get_step_metadata(), len(layer.part_starts)
     if isinstance(x, DeferredNorm):  # deferred only after a fold (models/decoder.py)
         h, md.lora_fold = md.lora_fold, None
@@ -111,7 +111,7 @@ def linear_with_lora(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         return torch.nn.functional.linear(x, weight, bias)
     md, y = get_step_metadata(), torch.nn.functional.linear(x, weight, bias)
     if x.is_cuda and not md.is_prefill:
-        from nanograph.kernels.lora import lora_expand
+        from nanograph.kernels.bgmv import lora_expand
         lora_expand(y, *lora_inputs(x, layer))
         return y
     parts = list(zip(layer.part_starts, layer.part_starts[1:] + (y.shape[1],)))

@@ -10,7 +10,7 @@ An adapter is checked when its first request comes in, from the config and the t
 (no tensor is read): every tensor must target a layer and module the model has, with the shape
 that module and the adapter's rank imply, so a bad adapter is a clear error before any work,
 never a crash mid-generation. Its weights are read from disk when the engine loads it into one
-of its GPU slots (layers/lora.py), which may happen again after it was evicted.
+of its GPU slots (layers/lora_slots.py), which may happen again after it was evicted.
 """
 import json
 import math
