@@ -21,7 +21,8 @@ class Config:
     load_format: str = "auto"                  # "auto" (safetensors) or "dummy" (random weights)
     max_model_len: int = 4096
     max_num_seqs: int = 512
-    max_num_batched_tokens: int = 16384
+    max_num_batched_tokens: int = 16384        # a step's token budget when nothing decodes
+    max_num_mixed_tokens: int = 2048           # ... and when something does (scheduler.py)
     kvcache_block_size: int = 256
     num_kvcache_blocks: int | None = None      # None: as many as memory allows
     gpu_memory_utilization: float = 0.9
@@ -47,8 +48,8 @@ class Config:
         bs = self.kvcache_block_size
         if bs < 16 or bs > 256 or bs & (bs - 1):
             raise ValueError(f"kvcache_block_size must be a power of two in [16, 256], got {bs}")
-        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "max_loras",
-                     "max_lora_rank", "num_kvcache_blocks"):
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_num_mixed_tokens",
+                     "tensor_parallel_size", "max_loras", "max_lora_rank", "num_kvcache_blocks"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -59,6 +60,7 @@ class Config:
             raise ValueError(f"cuda_graph_sizes must be a non-empty list of sizes >= 1, got {self.cuda_graph_sizes}")
         if self.attention_backend == "auto":  # triton measured at least as fast as flash_attn (layers/attention.py)
             self.attention_backend = "triton" if self.device.startswith("cuda") else "torch"
+        self.max_num_mixed_tokens = min(self.max_num_mixed_tokens, self.max_num_batched_tokens)
         if self.overlap_scheduling is None:
             self.overlap_scheduling = self.device.startswith("cuda")
         self.model_dir = resolve_model_dir(self.model, weights=self.load_format != "dummy")

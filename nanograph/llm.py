@@ -1,8 +1,11 @@
 """LLM: the user-facing engine. Validates requests, runs the step loop, returns outputs.
 
-`generate` is the whole life of a batch of requests: validate every request (nothing runs
-unless all are valid) -> one Sequence each into the scheduler -> the step loop until every
-sequence finished -> outputs in input order.
+The engine step API (vLLM's `LLMEngine` names): `add_request` validates a request (a ValueError
+before any work) and queues its sequences; `step` runs one step and returns a dict for each
+request that got tokens or finished in it; `abort_request` frees a request's blocks at once.
+`generate` is built on them: add every request (nothing runs unless all are valid), step until
+all have finished, return the outputs in input order. One thread drives an LLM: a second one
+calling in while the first is inside gets a RuntimeError, not a corrupted batch.
 
 The step loop overlaps the host and the GPU (`overlap_scheduling`, on by default with CUDA).
 A step has a host part (schedule, build the inputs, fill the graph buffers, launch) and a GPU
@@ -21,7 +24,7 @@ how many tokens each sequence has, which the host does know. What is *not* overl
 whose batch cannot be scheduled until the step in flight is collected (its blocks are needed)
 launches after that collect, and a prefill is launched like any step (its inputs are known).
 
-The price is a one-step lag on stops that only the token reveals (EOS, stop_token_ids): the
+The price is a one-step lag on stops that only the token reveals (EOS, stop ids, stop strings): the
 sequence was already scheduled once more when its EOS comes back, so one token is computed and
 dropped (`stats()["overlap_discarded_tokens"]`); it never reaches the output. Stops known in
 advance (max_tokens, max_model_len) are never late. With `overlap_scheduling=False` the loop is
@@ -31,45 +34,63 @@ off there by default.
 """
 import contextlib
 import os
+import threading
 from collections import deque
 from itertools import count
 
 import torch
+import xxhash
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer, GenerationConfig
 
+from nanograph.adapter import Adapter, LoRARequest, read_adapter
 from nanograph.config import Config
 from nanograph.engine.block_manager import BlockManager
 from nanograph.engine.model_runner import InFlight, ModelRunner
+from nanograph.engine.request import Detokenizer, Request
 from nanograph.engine.scheduler import Scheduler
 from nanograph.engine.sequence import Sequence
 from nanograph.engine.tp import TensorParallelRunner
 from nanograph.layers.lora_slots import rank_buckets
-from nanograph.adapter import Adapter, LoRARequest, read_adapter
 from nanograph.sampling_params import SamplingParams
 
 
 class LLM(contextlib.AbstractContextManager):  # `with LLM(...) as llm:` closes it at the end
     def __init__(self, model: str, **kwargs):
         self.config = config = Config(model, **kwargs)
-        if torch.distributed.is_initialized():  # layers shard over the default group (layers/linear.py): one at a time
+        if torch.distributed.is_initialized():
+            # layers shard over the default group (layers/linear.py): one LLM at a time
             raise RuntimeError("a torch.distributed process group is already open here: close the other LLM first")
         self.tokenizer = None
-        if any(os.path.exists(os.path.join(config.model_dir, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+        tokenizer_files = ("tokenizer.json", "tokenizer_config.json")
+        if any(os.path.exists(os.path.join(config.model_dir, f)) for f in tokenizer_files):
             self.tokenizer = AutoTokenizer.from_pretrained(config.model_dir)
-        self.runner = (TensorParallelRunner if config.tensor_parallel_size > 1 else ModelRunner)(config)
+        runner_class = TensorParallelRunner if config.tensor_parallel_size > 1 else ModelRunner
+        self.runner = runner_class(config)
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.kvcache_block_size,
                                           config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self._eos_ids(), config.max_model_len, config.max_loras,
-                                   tuple(rank_buckets(config.max_lora_rank)))
+        self.scheduler = Scheduler(self.block_manager,
+                                   max_num_seqs=config.max_num_seqs,
+                                   max_num_batched_tokens=config.max_num_batched_tokens,
+                                   max_num_mixed_tokens=config.max_num_mixed_tokens,
+                                   max_model_len=config.max_model_len,
+                                   max_loras=config.max_loras,
+                                   lora_ranks=tuple(rank_buckets(config.max_lora_rank)))
+        self.eos_ids = self._eos_ids()
         self.adapters: dict[LoRARequest, Adapter] = {}
+        self.requests: dict[int, Request] = {}   # unfinished, by id
+        self.request_of: dict[Sequence, Request] = {}  # their sequences
+        self.aborted: list[Request] = []         # aborted since the last step: reported by the next
+        self.in_flight: deque[InFlight] = deque()
+        self.request_ids = count()
         self.seq_ids = count()
+        self.driver = threading.Lock()
 
     def _eos_ids(self) -> frozenset[int]:
         """From the model's config, its generation config and its tokenizer, whichever exist."""
-        has_generation_config = os.path.exists(os.path.join(self.config.model_dir, "generation_config.json"))
-        gen = has_generation_config and GenerationConfig.from_pretrained(self.config.model_dir)
+        model_dir = self.config.model_dir
+        gen = os.path.exists(os.path.join(model_dir, "generation_config.json")) and \
+            GenerationConfig.from_pretrained(model_dir)
         values = (self.config.hf_config.eos_token_id, gen and gen.eos_token_id,
                   self.tokenizer and self.tokenizer.eos_token_id)
         return frozenset(i for v in values if v is not None for i in (v if isinstance(v, list) else [v]))
@@ -82,92 +103,215 @@ class LLM(contextlib.AbstractContextManager):  # `with LLM(...) as llm:` closes 
     def __exit__(self, *exc):
         self.close()
 
+    @contextlib.contextmanager
+    def driving(self):
+        """One thread at a time inside generate / step / add_request / abort_request."""
+        if not self.driver.acquire(blocking=False):
+            raise RuntimeError("another thread is inside this LLM's generate or step: an LLM is "
+                               "driven by one thread at a time (use its step API from that thread)")
+        try:
+            if self.runner.model is None:  # released by close(), or by a failed tensor-parallel step
+                raise RuntimeError("this LLM has been closed")
+            yield
+        finally:
+            self.driver.release()
+
     # ---- request intake ---------------------------------------------------------------------
-    def _validate(self, i: int, prompt, params: SamplingParams) -> list[int]:
+    def _validate(self, name: str, prompt, params: SamplingParams) -> list[int]:
         cfg = self.config
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError(f"request {i}: text prompt but model {cfg.model!r} has no tokenizer; pass token ids")
+                raise ValueError(f"{name}: text prompt but model {cfg.model!r} has no tokenizer; pass token ids")
             prompt = self.tokenizer.encode(prompt)
         if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) for t in prompt):
-            raise ValueError(f"request {i}: a prompt must be a str or a list of int token ids")
+            raise ValueError(f"{name}: a prompt must be a str or a list of int token ids")
         if not prompt:
-            raise ValueError(f"request {i}: empty prompt")
+            raise ValueError(f"{name}: empty prompt")
         vocab = cfg.hf_config.vocab_size
         if (bad := [t for t in prompt if not 0 <= t < vocab]):
-            raise ValueError(f"request {i}: token id {bad[0]} is outside the vocabulary [0, {vocab})")
+            raise ValueError(f"{name}: token id {bad[0]} is outside the vocabulary [0, {vocab})")
         if len(prompt) >= cfg.max_model_len:
-            raise ValueError(f"request {i}: prompt has {len(prompt)} tokens, max_model_len={cfg.max_model_len} "
+            raise ValueError(f"{name}: prompt has {len(prompt)} tokens, max_model_len={cfg.max_model_len} "
                              "leaves no room to generate")
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"request {i}: sampling params must be a SamplingParams, got {type(params).__name__}")
+            raise ValueError(f"{name}: sampling params must be a SamplingParams, got {type(params).__name__}")
         if any(t >= vocab for t in params.stop_token_ids or ()):
-            raise ValueError(f"request {i}: stop_token_ids {params.stop_token_ids} outside the vocabulary [0, {vocab})")
+            raise ValueError(f"{name}: stop_token_ids {params.stop_token_ids} outside the vocabulary [0, {vocab})")
+        if params.logprobs is not None and params.logprobs > vocab:
+            raise ValueError(f"{name}: logprobs={params.logprobs} is above the vocabulary size {vocab}")
+        if params.n > cfg.max_num_seqs:
+            raise ValueError(f"{name}: n={params.n} completions but max_num_seqs={cfg.max_num_seqs}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"{name}: stop strings need a tokenizer, and model {cfg.model!r} has none")
+        block_size, num_blocks = cfg.kvcache_block_size, self.runner.num_kv_blocks
         longest = min(len(prompt) + params.max_tokens, cfg.max_model_len)
-        blocks = -(-longest // cfg.kvcache_block_size)
-        if blocks > self.runner.num_kv_blocks:
-            raise ValueError(f"request {i}: needs up to {blocks} KV blocks ({longest} tokens) but the cache "
-                             f"has {self.runner.num_kv_blocks}; it could never run")
+        # one sequence at its longest, and the prompt with a block of its own for each other
+        # completion (a fork's copy of the partial last block)
+        partial = len(prompt) % block_size > 0
+        blocks = max(-(-longest // block_size), -(-len(prompt) // block_size) + (params.n - 1) * partial)
+        if blocks > num_blocks:
+            raise ValueError(f"{name}: needs up to {blocks} KV blocks ({longest} tokens, n={params.n}) "
+                             f"but the cache has {num_blocks}; it could never run")
         return list(prompt)
 
-    def _adapter(self, i: int, request: LoRARequest | None) -> Adapter | None:
+    def _adapter(self, name: str, request: LoRARequest | None) -> Adapter | None:
         if request is None:
             return None
         if not self.config.enable_lora:
-            raise ValueError(f"request {i}: a lora_request needs LLM(..., enable_lora=True)")
+            raise ValueError(f"{name}: a lora_request needs LLM(..., enable_lora=True)")
         if not isinstance(request, LoRARequest):
-            raise ValueError(f"request {i}: lora_request must be a LoRARequest, got {type(request).__name__}")
+            raise ValueError(f"{name}: lora_request must be a LoRARequest, got {type(request).__name__}")
         if request not in self.adapters:  # checked once per adapter, read from disk when it gets a slot
             self.adapters[request] = read_adapter(request, self.config.hf_config, self.config.max_lora_rank,
-                                                  f"request {i}: ")
+                                                  f"{name}: ")
         return self.adapters[request]
+
+    def _make_request(self, name: str, prompt, params: SamplingParams | None,
+                      lora_request: LoRARequest | None) -> Request:
+        """A validated request and its n sequences (nothing queued yet); `name` for errors."""
+        params = SamplingParams() if params is None else params
+        prompt = self._validate(name, prompt, params)
+        adapter = self._adapter(name, lora_request)
+        stop_ids = frozenset(params.stop_token_ids or ()) | (frozenset() if params.ignore_eos else self.eos_ids)
+        seqs = []
+        for i in range(params.n):
+            seq_id = next(self.seq_ids)
+            # completion i's noise: its own seed + i, else one made of the engine's seed and its id
+            seed = params.seed + i if params.seed is not None else hash_seed(seq_id, self.config.seed)
+            seqs.append(Sequence(seq_id, prompt, params, self.config.kvcache_block_size, seed, stop_ids, adapter))
+        seqs[0].forks = seqs[1:]
+        detokenizers = None
+        if self.tokenizer is not None:
+            detokenizers = [Detokenizer(self.tokenizer, prompt, params.skip_special_tokens) for _ in seqs]
+        request = Request(next(self.request_ids), prompt, seqs, detokenizers)
+        for seq in seqs:
+            self.request_of[seq] = request
+        return request
+
+    def _enqueue(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.scheduler.waiting.append(request.seqs[0])  # its forks follow it (scheduler.py)
+
+    def add_request(self, prompt, sampling_params: SamplingParams | None = None,
+                    lora_request: LoRARequest | None = None) -> int:
+        """Queue a request (a str or token ids); returns its id. ValueError if it is bad."""
+        with self.driving():
+            name = f"request {len(self.requests)} (of those unfinished)"
+            request = self._make_request(name, prompt, sampling_params, lora_request)
+            self._enqueue(request)
+            return request.request_id
+
+    def abort_request(self, request_id: int) -> None:
+        """Stop a request and free its blocks now; the next `step` reports it finished ("abort").
+        An unknown or finished id is ignored."""
+        with self.driving():
+            request = self.requests.get(request_id)
+            if request is not None:
+                for seq in request.seqs:
+                    self.scheduler.finish(seq, "abort")
+                self._forget(request)
+                self.aborted.append(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests or self.aborted)
+
+    def chat_prompt(self, conversation: list[dict], chat_template_kwargs: dict | None = None) -> list[int]:
+        """A conversation's token ids: the tokenizer's chat template, with the assistant's turn opened."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(f"model {self.config.model!r} has no chat template in its tokenizer: use generate")
+        text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True,
+                                                  **(chat_template_kwargs or {}))
+        return self.tokenizer.encode(text, add_special_tokens=False)  # the template has them
+
+    # ---- running ----------------------------------------------------------------------------
+    def step(self) -> list[dict]:
+        """One step: a dict per request that got tokens or finished in it (Request.step_output)."""
+        with self.driving():
+            return [request.step_output() for request in self._step()]
+
+    def _step(self) -> list[Request]:
+        """Launch the next step, collect the oldest in flight; the requests that changed."""
+        changed, self.aborted = {r.request_id: r for r in self.aborted}, []
+        try:
+            batch = self.scheduler.schedule()
+            if batch is not None:
+                self.in_flight.append(self.runner.launch(batch))
+            lookahead = 1 if self.config.overlap_scheduling else 0
+            if len(self.in_flight) > lookahead or (batch is None and self.in_flight):
+                launched = self.in_flight.popleft()
+                sampled, logprobs = self.runner.collect(launched)
+                for seq in self.scheduler.update(launched.batch, sampled, logprobs):
+                    request = self.request_of[seq]
+                    if (stop := request.update_text(seq)) is not None:
+                        self.scheduler.finish(seq, "stop", stop)  # (nothing if it finished already)
+                        seq.finish_reason, seq.stop_reason = "stop", stop  # outranks the length limit
+                    changed[request.request_id] = request
+        except BaseException:
+            self._abort_all()
+            raise
+        for request in changed.values():
+            if request.finished:
+                self._forget(request)
+        return list(changed.values())
+
+    def _forget(self, request: Request) -> None:
+        self.requests.pop(request.request_id, None)
+        for seq in request.seqs:
+            self.request_of.pop(seq, None)
+
+    def _abort_all(self) -> None:
+        """After a failed or interrupted step nothing in flight can be trusted: every request
+        ends ("abort") and frees its blocks; the engine then takes new requests."""
+        with contextlib.suppress(Exception):  # a broken device must not hide the original error
+            torch.cuda.synchronize()  # (without CUDA this raises too: nothing to wait for)
+        self.in_flight.clear()
+        for request in list(self.requests.values()):
+            for seq in request.seqs:
+                self.scheduler.finish(seq, "abort")
+            self._forget(request)
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True, lora_request: LoRARequest | list[LoRARequest | None] | None = None,
                  ) -> list[dict]:
-        if self.runner.model is None:  # released by close(), or by a failed tensor-parallel step
-            raise RuntimeError("this LLM has been closed")
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            raise ValueError("prompts must be a list of prompts (str or list of token ids)")
-        params = sampling_params if sampling_params is not None else SamplingParams()
-        params = params if isinstance(params, list) else [params] * len(prompts)
-        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
-        for name, values in (("sampling params", params), ("lora requests", loras)):
-            if len(values) != len(prompts):
-                raise ValueError(f"got {len(prompts)} prompts but {len(values)} {name}")
-        token_lists = [self._validate(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
-        adapters = [self._adapter(i, request) for i, request in enumerate(loras)]
-        seqs = [Sequence(next(self.seq_ids), ids, sp, self.config.kvcache_block_size, self.config.seed, adapter)
-                for ids, sp, adapter in zip(token_lists, params, adapters)]
-        self.scheduler.waiting.extend(seqs)
-        try:
-            with tqdm(total=len(seqs), desc="Generating", disable=not use_tqdm, dynamic_ncols=True) as bar:
-                self._run(bar, lookahead=1 if self.config.overlap_scheduling else 0)
-        except BaseException:
-            # an interrupt or a failed step: nothing of this call may leak into the next one
-            with contextlib.suppress(Exception):  # a broken device must not hide the original error
-                torch.cuda.synchronize()  # (without CUDA this raises too: nothing to wait for)
-            for seq in seqs:
-                self.scheduler.finish(seq)
-            raise
-        return [{"text": self.tokenizer.decode(s.completion_token_ids) if self.tokenizer else None,
-                 "token_ids": s.completion_token_ids} for s in seqs]
+        with self.driving():
+            if self.requests:
+                raise RuntimeError(f"{len(self.requests)} requests from add_request are unfinished: "
+                                   "step them to the end or abort them before generate")
+            if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+                raise ValueError("prompts must be a list of prompts (str or list of token ids)")
+            params = sampling_params if sampling_params is not None else SamplingParams()
+            params = params if isinstance(params, list) else [params] * len(prompts)
+            loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
+            for name, values in (("sampling params", params), ("lora requests", loras)):
+                if len(values) != len(prompts):
+                    raise ValueError(f"got {len(prompts)} prompts but {len(values)} {name}")
+            requests = [self._make_request(f"request {i}", *args)
+                        for i, args in enumerate(zip(prompts, params, loras))]
+            for request in requests:
+                self._enqueue(request)
+            with tqdm(total=len(requests), desc="Generating", disable=not use_tqdm, dynamic_ncols=True) as bar:
+                while self.requests or self.in_flight:
+                    bar.update(sum(request.finished for request in self._step()))
+            return [request.result() for request in requests]
 
-    def _run(self, bar, lookahead: int) -> None:
-        """The step loop: keep up to `lookahead` launched steps uncollected."""
-        in_flight: deque[InFlight] = deque()
-        while self.scheduler.waiting or self.scheduler.running or in_flight:
-            batch = self.scheduler.schedule()
-            if batch is not None:
-                in_flight.append(self.runner.launch(batch))
-            if len(in_flight) > lookahead or (batch is None and in_flight):
-                step = in_flight.popleft()
-                bar.update(len(self.scheduler.update(step.batch, self.runner.collect(step))))
+    def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = True, lora_request: LoRARequest | list[LoRARequest | None] | None = None,
+             chat_template_kwargs: dict | None = None) -> list[dict]:
+        """generate() on conversations (one: a list of {"role", "content"} dicts; or a list of them)
+        through the tokenizer's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.chat_prompt(conversation, chat_template_kwargs) for conversation in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def stats(self) -> dict:
         return {"prefix_cache_hit_tokens": self.block_manager.cache_hit_tokens,
                 "preemptions": self.scheduler.num_preemptions,
                 "overlap_discarded_tokens": self.scheduler.num_discarded_tokens,
+                "steps": dict(self.scheduler.steps),
                 "num_kvcache_blocks": self.runner.num_kv_blocks,
                 "attention_backend": self.config.attention_backend,
                 **(self.runner.graphs.stats_dict() if self.runner.graphs is not None else {})}
+
+
+def hash_seed(seq_id: int, engine_seed: int) -> int:
+    return xxhash.xxh32_intdigest(b"%d" % seq_id, engine_seed)

@@ -1,4 +1,4 @@
-"""Per-request sampling settings, validated when the request is made.
+"""Per-request sampling settings, vLLM's names and meanings, validated when the request is made.
 
 Each field is checked for its type as well as its range: NaN fails every comparison, so a bare
 `temperature < 0` lets it through, and a float count (`max_tokens=2.5`) or a negative stop id
@@ -11,7 +11,8 @@ from numbers import Integral
 
 
 def is_int(value) -> bool:
-    return isinstance(value, Integral) and not isinstance(value, bool)  # True is an int to Python, not a count
+    # True is an int to Python, not a count
+    return isinstance(value, Integral) and not isinstance(value, bool)
 
 
 @dataclass
@@ -22,12 +23,18 @@ class SamplingParams:
     max_tokens: int = 64
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
-    seed: int | None = None        # own random stream: same output whatever the request is batched with
+    seed: int | None = None        # own random stream: same output whatever the batch (n > 1: seed + i)
+    stop: str | list[str] | None = None   # stop strings: the text is cut where one appears
+    include_stop_str_in_output: bool = False
+    n: int = 1                     # completions of the prompt; the prompt is computed once
+    logprobs: int | None = None    # per token: the sampled token's log-probability and the top N's
+    min_tokens: int = 0            # EOS and the stop ids are masked until this many tokens
+    skip_special_tokens: bool = True
 
     def __post_init__(self):
-        for name in ("top_k", "max_tokens", "seed"):
+        for name in ("top_k", "max_tokens", "seed", "n", "logprobs", "min_tokens"):
             value = getattr(self, name)
-            if not is_int(value) and not (name == "seed" and value is None):
+            if not is_int(value) and not (name in ("seed", "logprobs") and value is None):
                 raise ValueError(f"{name} must be an integer, got {value!r}")
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be >= 0 and finite, got {self.temperature}")
@@ -35,8 +42,16 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k == 0 or self.top_k < -1:
             raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        for name, low in (("max_tokens", 1), ("n", 1), ("logprobs", 0), ("min_tokens", 0)):
+            if (getattr(self, name) or 0) < low:
+                raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) is above max_tokens ({self.max_tokens})")
         ids = self.stop_token_ids
         if ids is not None and not (isinstance(ids, (list, tuple)) and all(is_int(i) and i >= 0 for i in ids)):
             raise ValueError(f"stop_token_ids must be a list of token ids >= 0, got {ids!r}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        stop = self.stop
+        if stop is not None and not (isinstance(stop, (list, tuple)) and all(isinstance(s, str) and s for s in stop)):
+            raise ValueError(f"stop must be a non-empty string or a list of them, got {stop!r}")

@@ -97,14 +97,14 @@ def test_scheduler_chunks_long_prompts_and_respects_limits():
     chunks = []
     while True:
         batch = sched.schedule()
-        assert batch.is_prefill
+        assert batch.kind == "prefill"
         chunks.append([(s.seq_id, n) for s, n in zip(batch.seqs, batch.num_tokens)])
         sched.update(batch, [0] * len(batch.seqs))
         if long.status == Status.RUNNING:
             break
     assert chunks == [[(0, 50)], [(0, 50)], [(0, 20), (1, 10)]]
     batch = sched.schedule()                      # max_num_seqs=2: b must wait for a decode slot
-    assert not batch.is_prefill and [s.seq_id for s in batch.seqs] == [0, 1]
+    assert batch.kind == "decode" and [s.seq_id for s in batch.seqs] == [0, 1]
 
 
 def test_scheduler_preempts_newest_and_requeues_it_first():
@@ -115,6 +115,6 @@ def test_scheduler_preempts_newest_and_requeues_it_first():
     sched.waiting.append(new)
     sched.update(sched.schedule(), [5, 5])        # both now need a second block; only one is free
     batch = sched.schedule()
-    assert not batch.is_prefill and [s.seq_id for s in batch.seqs] == [0]
+    assert batch.kind == "decode" and [s.seq_id for s in batch.seqs] == [0]
     assert sched.num_preemptions == 1 and new.status == Status.WAITING and not new.block_table
     assert list(sched.waiting) == [new] and new.num_computed_tokens == 0

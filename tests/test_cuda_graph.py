@@ -5,8 +5,9 @@ import gc
 import pytest
 import torch
 
-from nanograph.engine.cuda_graph import DecodeBuffers, GraphStats, bucket_ladder, find_bucket
-from nanograph.engine.model_runner import StepInput
+from nanograph.engine.cuda_graph import (MIXED_PREFILL_CHUNKS, GraphStats, StepBuffers, bucket_ladder, find_bucket,
+                                         mixed_grid)
+from nanograph.engine.step import StepInput
 
 
 def test_ladder():
@@ -25,38 +26,83 @@ def test_find_bucket():
     assert find_bucket(ladder, 17) is None
 
 
+def decode_step(ids, positions, slots, lens, tables, temperatures, seeds) -> StepInput:
+    n = len(ids)
+    return StepInput(num_decodes=n, input_ids=ids, positions=positions, slot_mapping=slots, context_lens=lens,
+                     block_tables=tables, cu_seqlens_q=list(range(n + 1)), sample_indices=list(range(n)),
+                     sample_lens=lens, temperatures=temperatures, seeds=seeds)
+
+
 def test_buffers_fill_live_rows_and_pad_the_rest():
-    buf = DecodeBuffers(max_bs=8, max_blocks=4, device="cpu")
+    buf = StepBuffers(max_tokens=8, max_seqs=8, max_blocks=4, device="cpu")
     # before any step (what the captures run on) every row is padding
     assert (buf.dev["slot_mapping"] == -1).all() and (buf.dev["lora_slots"] == -1).all()
     assert not buf.dev["context_lens"].any()
-    step = StepInput(False, [11, 12, 13], [5, 40, 7], [21, 99, 103], [6, 41, 8],
-                     [[1, -1, -1], [2, 3, 4], [6, -1, -1]], [0, 1, 2, 3], [0.5, 0.0, 1.25], [7, 8, 9])
-    buf.fill(step, bucket=4)
+    step = decode_step([11, 12, 13], [5, 40, 7], [21, 99, 103], [6, 41, 8],
+                       [[1, -1, -1], [2, 3, 4], [6, -1, -1]], [0.5, 0.0, 1.25], [7, 8, 9])
+    buf.fill(step, d=4, p=0)
     dev = buf.dev
     assert dev["temperatures"][:4].tolist() == [0.5, 0.0, 1.25, 0.0] and dev["seeds"][:4].tolist() == [7, 8, 9, 0]
     assert dev["input_ids"][:4].tolist() == [11, 12, 13, 0]
     assert dev["positions"][:4].tolist() == [5, 40, 7, 0]
     assert dev["slot_mapping"][:4].tolist() == [21, 99, 103, -1]      # padded row writes no KV
     assert dev["context_lens"][:4].tolist() == [6, 41, 8, 0]          # padded row reads nothing
+    assert dev["sample_lens"][:4].tolist() == [6, 41, 8, 0]
     assert dev["block_tables"][1, :3].tolist() == [2, 3, 4] and dev["block_tables"][2, 0] == 6
     # a smaller batch later re-pads rows a bigger one had used
     for _ in range(2):  # both host mirrors
-        buf.fill(StepInput(False, [9], [3], [50], [4], [[7]], [0, 1], [1.0], [5]), bucket=2)
+        buf.fill(decode_step([9], [3], [50], [4], [[7]], [1.0], [5]), d=2, p=0)
         assert dev["slot_mapping"][:2].tolist() == [50, -1] and dev["context_lens"][:2].tolist() == [4, 0]
         assert dev["input_ids"][:2].tolist() == [9, 0]
+
+
+def test_buffers_mixed_layout():
+    """Graph (d=2, p=4): decode rows at 0, the prefill part at d, each padded; sampling rows in the
+    step's order, each pointing at its token in the graph's layout."""
+    buf = StepBuffers(max_tokens=64 + 8, max_seqs=8 + MIXED_PREFILL_CHUNKS, max_blocks=4, device="cpu")
+    # one decode row (token 11), then a chunk of 3 tokens (21-23) that completes its prompt
+    step = StepInput(num_decodes=1, input_ids=[11, 21, 22, 23], positions=[9, 4, 5, 6], slot_mapping=[40, 4, 5, 6],
+                     context_lens=[10, 7], block_tables=[[2, 3], [0, -1]], cu_seqlens_q=[0, 1, 4],
+                     sample_indices=[0, 3], sample_lens=[10, 7], temperatures=[0.0, 1.0], seeds=[1, 2])
+    buf.fill(step, d=2, p=4)
+    dev = buf.dev
+    assert dev["input_ids"][:6].tolist() == [11, 0, 21, 22, 23, 0]
+    assert dev["slot_mapping"][:6].tolist() == [40, -1, 4, 5, 6, -1]
+    assert dev["context_lens"][:2 + MIXED_PREFILL_CHUNKS].tolist() == [10, 0, 7] + [0] * (MIXED_PREFILL_CHUNKS - 1)
+    # chunk offsets within the prefill part; padded chunks have length 0
+    assert dev["cu_seqlens_q"].tolist() == [0, 3] + [3] * (MIXED_PREFILL_CHUNKS - 1)
+    assert dev["sample_indices"][:3].tolist() == [0, 4, 0]   # row 1: the chunk's last token, at d + 2
+    assert dev["block_tables"][0, :2].tolist() == [2, 3] and dev["block_tables"][2, 0] == 0
+    assert dev["temperatures"][:3].tolist() == [0.0, 1.0, 0.0]
+
+
+def test_mixed_grid_stays_within_the_budget():
+    ladder = bucket_ladder(256)
+    grid = mixed_grid(ladder, 256)
+    assert {p for _, p in grid} == {64, 128, 256}
+    for d, p in grid:  # each pair is needed by some step of at most 256 tokens
+        smaller = max([0] + [b for b in ladder if b < d])
+        assert smaller + 1 < 256 and (p == 64 or p // 2 < 256 - smaller - 1)
+    # 201-256 decode rows leave at most 55 prefill tokens; 1 decode row leaves 255
+    assert (256, 64) in grid and (256, 128) not in grid and (1, 256) in grid
+    assert len(grid) <= 3 * len(ladder)
 
 
 def test_stats_arithmetic():
     stats = GraphStats()
     for bucket, rank, rows in ((8, 0, 5), (8, 16, 8), (4, 0, 3), (1, 8, 1)):
-        stats.replays[bucket, rank] += 1
+        stats.replays[bucket, 0, rank] += 1
         stats.real_rows += rows
-    stats.eager_steps = 1
+    stats.replays[4, 64, 0] += 2
+    stats.real_tokens += 50 + 60
+    stats.eager["decode"] = 1
+    stats.eager["mixed"] = 2
     d = stats.as_dict()
     assert d["graph_replays"] == 4 and d["decode_steps"] == 5 and d["graph_hit_rate"] == 0.8
     assert d["padding_waste"] == pytest.approx((3 + 0 + 1 + 0) / 17)
     assert d["replays_per_bucket"] == {1: 1, 4: 1, 8: 2} and d["replays_per_lora_bucket"] == {"1x8": 1, "8x16": 1}
+    assert d["mixed_steps"] == 4 and d["mixed_graph_hit_rate"] == 0.5
+    assert d["mixed_padding_waste"] == pytest.approx((2 * 68 - 110) / 110)
 
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -131,7 +177,6 @@ def test_graphs_match_eager_with_prefix_cache_and_preemption(tiny_model):
 @gpu
 def test_bf16_graph_logits_close_to_eager(tiny_model):
     from nanograph import LLM, SamplingParams
-    from nanograph.engine.model_runner import StepInput
     from test_engine import random_prompts
     prompts = random_prompts([9, 30, 17], seed=9)
     logits = []
@@ -145,8 +190,8 @@ def test_bf16_graph_logits_close_to_eager(tiny_model):
         tables = [[0, 1], [2, 3], [4, 5]]
         lens = [20, 31, 7]
         slots = [t[(n - 1) // 16] * 16 + (n - 1) % 16 for t, n in zip(tables, lens)]
-        step = StepInput(False, [3, 4, 5], [n - 1 for n in lens], slots, lens, tables, [0, 1, 2, 3], [0.0] * 3, [0] * 3)
-        logits.append(runner.forward(step).float().cpu())
+        step = decode_step([3, 4, 5], [n - 1 for n in lens], slots, lens, tables, [0.0] * 3, [0] * 3)
+        logits.append(runner.forward(step)[0].float().cpu())
         del llm, runner
         torch.cuda.empty_cache()
     rel = (logits[0] - logits[1]).norm() / logits[0].norm()

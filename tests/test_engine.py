@@ -83,6 +83,6 @@ def test_stops_eos_stop_tokens_and_max_model_len(tiny_model):
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
     assert out[0]["token_ids"] == free_run[:8]
     # EOS (id 1 in the tiny config) ends a sequence unless ignore_eos
-    llm.scheduler.eos_ids = frozenset({free_run[2]})
+    llm.eos_ids = frozenset({free_run[2]})
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0]["token_ids"]
     assert out == free_run[:free_run.index(free_run[2]) + 1]

@@ -44,7 +44,7 @@ def generate_both(path, prompts, params, eos, **kwargs):
     results = []
     for overlap in (False, True):
         with LLM(path, kvcache_block_size=16, overlap_scheduling=overlap, **kwargs) as llm:  # frees the GPU
-            llm.scheduler.eos_ids = frozenset({eos})
+            llm.eos_ids = frozenset({eos})
             outs = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
             assert_all_blocks_free(llm)
             results.append((outs, llm.stats()))
@@ -86,9 +86,9 @@ def test_greedy_with_overlap_matches_hf(tiny_model):
 
 def test_placeholders_are_filled_and_late_stops_dropped():
     """The scheduler half of the pipeline, two steps ahead of the host, without a model."""
-    sched = Scheduler(BlockManager(8, 16, True), max_num_seqs=4, max_num_batched_tokens=64, eos_ids=frozenset({9}))
-    a = Sequence(0, [2, 3, 4], SamplingParams(max_tokens=5), 16)
-    b = Sequence(1, [5, 6], SamplingParams(max_tokens=2), 16)
+    sched = Scheduler(BlockManager(8, 16, True), max_num_seqs=4, max_num_batched_tokens=64)
+    a = Sequence(0, [2, 3, 4], SamplingParams(max_tokens=5), 16, stop_ids=frozenset({9}))
+    b = Sequence(1, [5, 6], SamplingParams(max_tokens=2), 16, stop_ids=frozenset({9}))
     sched.waiting.append(a)
     sched.waiting.append(b)
     prefill = sched.schedule()
@@ -98,11 +98,13 @@ def test_placeholders_are_filled_and_late_stops_dropped():
     assert step.input_ids == [-1, -2] and step.positions == [3, 2] and step.context_lens == [4, 3]
     # b's second token is its last by length: it is never scheduled a third time
     assert list(sched.running) == [a] and len(b) == 4
-    assert sched.update(prefill, [7, 8]) == [] and a.token_ids == [2, 3, 4, 7, -1]
+    assert sched.update(prefill, [7, 8]) == [a, b] and a.token_ids == [2, 3, 4, 7, -1]
+    assert a.status == b.status == Status.RUNNING
     third = sched.schedule()                                           # a only
     assert [s.seq_id for s in third.seqs] == [0]
     assert sched.update(decode, [9, 6]) == [a, b]                      # a hit EOS, b max_tokens
     assert a.token_ids == [2, 3, 4, 7, 9] and b.completion_token_ids == [8, 6]
+    assert (a.finish_reason, a.stop_reason, b.finish_reason) == ("stop", None, "length")
     assert sched.update(third, [1]) == [] and sched.num_discarded_tokens == 1
     assert a.status == b.status == Status.FINISHED and not (sched.waiting or sched.running)
     assert sched.block_manager.num_free_blocks == 8

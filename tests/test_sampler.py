@@ -20,7 +20,8 @@ def draw(logits, temps, seeds=None, lengths=None, top_ks=None, top_ps=None):
     rows = len(temps)
     seeds = torch.tensor(seeds if seeds is not None else range(rows))
     lengths = torch.tensor(lengths if lengths is not None else [1] * rows)
-    return sample(logits, torch.tensor(temps, dtype=torch.float), seeds, lengths, top_ks, top_ps)
+    top = None if top_ks is None else (top_ks, top_ps)
+    return sample(logits, torch.tensor(temps, dtype=torch.float), seeds, lengths, top=top)
 
 
 def test_sampling_follows_the_distribution_and_greedy_rows_take_argmax():

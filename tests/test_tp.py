@@ -83,7 +83,7 @@ def test_tp2_with_overlap_matches_tp1_without(tiny_model, device):
     for tp, overlap in ((1, False), (2, True)):
         with LLM(path, tensor_parallel_size=tp, kvcache_block_size=16, device=device, overlap_scheduling=overlap,
                  dtype="float32", cuda_graph_sizes=[1, 2, 4, 8]) as llm:
-            llm.scheduler.eos_ids = frozenset({eos})
+            llm.eos_ids = frozenset({eos})
             outs.append([o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)])
             discarded = llm.stats()["overlap_discarded_tokens"]
     assert outs[1] == outs[0] and discarded > 0

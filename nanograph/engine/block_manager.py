@@ -106,6 +106,25 @@ class BlockManager:
                 self.free_block_ids.append(block_id)
         seq.block_table, seq.num_hashed_blocks = [], 0
 
+    def reserve_fork_blocks(self, seq: Sequence) -> None:
+        """At admission: when the prompt ends inside a block, each of its forks (the other
+        completions of an n > 1 request) takes a block of its own for that last, partial one."""
+        if seq.num_prompt_tokens % self.block_size:
+            for child in seq.forks:
+                child.block_table = [self._take_free_block()]
+
+    def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None:
+        """Share the parent's full prompt blocks with `child` (reference counts). Returns the
+        (parent's, child's) partial last block, whose K/V the caller must copy, or None."""
+        full = parent.num_prompt_tokens // self.block_size
+        for block_id in parent.block_table[:full]:
+            self.blocks[block_id].ref_count += 1
+        child.block_table = parent.block_table[:full] + child.block_table  # + its reserved block
+        child.num_hashed_blocks = min(parent.num_hashed_blocks, full)
+        if len(child.block_table) > full:
+            return parent.block_table[full], child.block_table[full]
+        return None
+
     def append_slot(self, seq: Sequence) -> bool:
         """Make room for the token decode writes next (token len-1): a new block when that token
         starts one. False when it does and no block is free."""

@@ -25,11 +25,11 @@ import torch
 import torch.distributed as dist
 
 from nanograph.config import Config
-from nanograph.engine.cuda_graph import CudaGraphRunner
+from nanograph.engine.cuda_graph import MIXED_PREFILL_CHUNKS, CudaGraphRunner
 from nanograph.engine.scheduler import Batch
 from nanograph.engine.step import StepInput, TokenTable, build_step
 from nanograph.layers.lora_slots import add_lora_buffers, load_adapter
-from nanograph.layers.sampler import sample
+from nanograph.layers.sampler import sample, top_logprobs
 from nanograph.models.decoder import DecoderForCausalLM
 from nanograph.utils.context import StepMetadata, set_step_metadata
 from nanograph.utils.loader import init_dummy_weights, load_weights
@@ -39,10 +39,12 @@ CPU_KV_CACHE_BYTES = 1 << 30
 
 @dataclass
 class InFlight:
-    """A launched step."""
+    """A launched step. Its host copies are complete once `done` has passed."""
     batch: Batch
-    tokens: torch.Tensor               # [rows] sampled ids: a host copy, complete once `done` has passed
-    done: torch.cuda.Event | None      # None on the CPU, where the copy is synchronous
+    tokens: torch.Tensor               # [rows] sampled ids
+    done: torch.cuda.Event | None      # None on the CPU, where the copies are synchronous
+    num_logprobs: list[int] | None = None   # per row (StepInput)
+    logprobs: tuple | None = None      # (sampled token's [rows], top values, top ids [rows, N])
 
 
 class ModelRunner:
@@ -70,7 +72,9 @@ class ModelRunner:
         first = self.model.model.layers[0].self_attn
         # one cache block of one layer: [block_size, kv_heads on this rank, head_dim]
         self.kv_block_shape = (self.block_size, first.num_kv_heads, first.head_dim)
-        self.tokens = TokenTable(config.hf_config.vocab_size, config.max_num_seqs, self.device)
+        # a step's sampling rows: one per sequence, and a graph's padding
+        max_rows = max(config.max_num_seqs, config.cuda_graph_max_bs or 0, *(config.cuda_graph_sizes or []))
+        self.tokens = TokenTable(config.hf_config.vocab_size, max_rows + MIXED_PREFILL_CHUNKS, self.device)
         self.graphs = None  # "no graphs" has one spelling: this stays None (forward runs before capture)
         self.num_kv_blocks = self.allocate_kv_cache()
         if self.device.type == "cuda" and not config.enforce_eager and config.cuda_graph_max_bs != 0:
@@ -110,9 +114,16 @@ class ModelRunner:
         num_seqs = max(1, min(self.config.max_num_seqs, tokens // self.config.max_model_len))
         n = tokens // num_seqs  # tokens per sequence
         self.bind_kv_cache(1)
-        step = StepInput(True, [0] * n * num_seqs, list(range(n)) * num_seqs, [-1] * n * num_seqs, [n] * num_seqs,
-                         [[0] * -(-n // self.block_size)] * num_seqs, list(range(0, n * num_seqs + 1, n)),
-                         [0.0] * num_seqs, [0] * num_seqs)
+        step = StepInput(input_ids=[0] * n * num_seqs,
+                         positions=list(range(n)) * num_seqs,
+                         slot_mapping=[-1] * n * num_seqs,
+                         context_lens=[n] * num_seqs,
+                         block_tables=[[0] * -(-n // self.block_size)] * num_seqs,
+                         cu_seqlens_q=list(range(0, n * num_seqs + 1, n)),
+                         sample_indices=list(range(n - 1, n * num_seqs, n)),
+                         sample_lens=[n] * num_seqs,
+                         temperatures=[0.0] * num_seqs,
+                         seeds=[0] * num_seqs)
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
@@ -126,57 +137,95 @@ class ModelRunner:
     # ---- one step --------------------------------------------------------------------------
     def upload(self, data: list, dtype: torch.dtype) -> torch.Tensor:
         """A host list on the device without waiting for the GPU (pinned memory, non-blocking copy)."""
-        return torch.tensor(data, dtype=dtype, pin_memory=self.device.type == "cuda").to(self.device, non_blocking=True)
+        pinned = torch.tensor(data, dtype=dtype, pin_memory=self.device.type == "cuda")
+        return pinned.to(self.device, non_blocking=True)
 
     def step_metadata(self, step: StepInput) -> StepMetadata:
-        md = StepMetadata(step.is_prefill, self.upload(step.slot_mapping, torch.int64),
-                          self.upload(step.context_lens, torch.int32), self.upload(step.block_tables, torch.int32))
-        cu = step.cu_seqlens_q
-        md.cu_seqlens_q, md.max_seqlen_q = self.upload(cu, torch.int32), max(b - a for a, b in zip(cu, cu[1:]))
-        md.host_cu_seqlens_q, md.host_context_lens = cu, step.context_lens
+        n = step.num_decodes
+        md = StepMetadata(num_decodes=n,
+                          slot_mapping=self.upload(step.slot_mapping, torch.int64),
+                          context_lens=self.upload(step.context_lens, torch.int32),
+                          block_tables=self.upload(step.block_tables, torch.int32))
+        if n < len(step.context_lens):  # the prefill part: its chunks' offsets start at 0
+            cu = [offset - n for offset in step.cu_seqlens_q[n:]]
+            md.cu_seqlens_q = self.upload(cu, torch.int32)
+            md.max_seqlen_q = max(b - a for a, b in zip(cu, cu[1:]))
+            md.host_cu_seqlens_q, md.host_context_lens = cu, step.context_lens[n:]
         if step.lora_rank:  # each token takes its sequence's slot
+            cu = step.cu_seqlens_q
             slots = [slot for slot, a, b in zip(step.lora_slots, cu, cu[1:]) for _ in range(a, b)]
             md.lora_rank, md.lora_slots = step.lora_rank, self.upload(slots, torch.int32)
         return md
 
     @torch.inference_mode()
-    def forward(self, step: StepInput) -> torch.Tensor:
-        """The token ids [sequences] sampled from each sequence's last computed token, also put in
-        the token table for the next step's placeholders. Every tensor-parallel rank runs this and
-        samples the same ids."""
+    def forward(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor]:
+        """The logits [rows, vocab] and sampled ids [rows] of the step's sampling rows; the ids
+        also go into the token table, for the next step's placeholders. Every tensor-parallel
+        rank runs this and samples the same ids."""
         for slot, adapter in step.lora_loads:
             load_adapter(self.model, slot, adapter)
-        # a decode step replays its graph, unless it is above the largest one (replay returns None)
-        if not step.is_prefill and self.graphs is not None and (replayed := self.graphs.replay(step)):
-            logits, sampled = replayed  # sampled in the graph, without top-k / top-p
-            return sampled if step.top_ks is None else self.sample(step, logits)
+        replayed = self.graphs.replay(step) if self.graphs is not None else None
+        logits, sampled = replayed if replayed is not None else (self.eager_logits(step), None)
+        if sampled is None or step.needs_logits:  # a graph samples without top-k/p and masks
+            sampled = self.sample(step, logits)
+        if step.copy_from:  # forks' copies of their parent's partial block, once it is computed
+            src = self.upload(step.copy_from, torch.int64)
+            self.kv_cache[:, :, self.upload(step.copy_to, torch.int64)] = self.kv_cache[:, :, src]
+        return logits, sampled
+
+    def eager_logits(self, step: StepInput) -> torch.Tensor:
         ids = self.tokens.resolve(self.upload(step.input_ids, torch.int64))
         positions = self.upload(step.positions, torch.int64)
         set_step_metadata(self.step_metadata(step))
         hidden = self.model(ids, positions)
         set_step_metadata(None)
-        last = self.upload(step.cu_seqlens_q[1:], torch.int64) - 1  # each sequence's last token
-        return self.sample(step, self.model.compute_logits(hidden[last]))
+        return self.model.compute_logits(hidden[self.upload(step.sample_indices, torch.int64)])
 
     def sample(self, step: StepInput, logits: torch.Tensor) -> torch.Tensor:
-        top = [self.upload(step.top_ks, torch.int64), self.upload(step.top_ps, torch.float32)] if step.top_ks else []
-        sampled = sample(logits, self.upload(step.temperatures, torch.float32), self.upload(step.seeds, torch.int64),
-                         self.upload(step.context_lens, torch.int64), *top)
+        top = None
+        if step.top_ks is not None:
+            top = (self.upload(step.top_ks, torch.int64), self.upload(step.top_ps, torch.float32))
+        banned = None
+        if step.banned_rows:
+            banned = (self.upload(step.banned_rows, torch.int64), self.upload(step.banned_ids, torch.int64))
+        sampled = sample(logits,
+                         temperatures=self.upload(step.temperatures, torch.float32),
+                         seeds=self.upload(step.seeds, torch.int64),
+                         lengths=self.upload(step.sample_lens, torch.int64),
+                         top=top, banned=banned)
         self.tokens.put(sampled)
         return sampled
 
     @torch.inference_mode()
     def launch(self, batch: Batch) -> InFlight:
+        step = build_step(batch, self.block_size)
+        logits, sampled = self.forward(step)
+        logprobs = None
+        if step.num_logprobs is not None:
+            logprobs = top_logprobs(logits, sampled, max(step.num_logprobs))
+            logprobs = tuple(t.to("cpu", non_blocking=True) for t in logprobs)
         # the sampled ids, from the GPU into pinned memory without waiting
-        tokens = self.forward(build_step(batch, self.block_size)).to("cpu", non_blocking=True)
+        tokens = sampled.to("cpu", non_blocking=True)
         done = torch.cuda.current_stream().record_event() if self.device.type == "cuda" else None
-        return InFlight(batch, tokens, done)
+        return InFlight(batch, tokens, done, step.num_logprobs, logprobs)
 
     @staticmethod
-    def collect(launched: InFlight) -> list[int]:
+    def collect(launched: InFlight) -> tuple[list[int], list[dict] | None]:
+        """The step's sampled ids and, when some row asked, each row's {token id: logprob}
+        (its top N and the sampled token's; None for a row that did not ask)."""
         if launched.done is not None:
             launched.done.synchronize()
-        return launched.tokens.tolist()
+        ids = launched.tokens.tolist()
+        if launched.logprobs is None:
+            return ids, None
+        chosen, top_values, top_ids = (t.tolist() for t in launched.logprobs)
+        rows = []
+        for row, n in enumerate(launched.num_logprobs):
+            entry = dict(zip(top_ids[row][:n], top_values[row][:n])) if n >= 0 else None
+            if entry is not None:
+                entry[ids[row]] = chosen[row]
+            rows.append(entry)
+        return ids, rows
 
     def close(self) -> None:
         if self.graphs is not None:

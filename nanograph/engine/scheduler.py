@@ -1,45 +1,55 @@
 """Continuous batching: which sequences run in the next step, and how many tokens each.
 
 Two queues. `waiting` holds sequences that need prefill (new, or preempted); `running` holds
-sequences that are decoding. Each step is either a prefill step or a decode step, never both,
-so the decode step keeps the fixed shape a CUDA graph needs:
+sequences that are decoding. A step has a decode part and a prefill part (Sarathi-Serve's
+stall-free batching):
 
-- Prefill first: admit waiting sequences in FIFO order while the step's token budget
-  (`max_num_batched_tokens`), the batch limit (`max_num_seqs`) and free blocks allow. A prompt
-  longer than the remaining budget is cut into chunks (chunked prefill): the chunk runs now and
-  the sequence stays at the head of `waiting`, keeping its blocks, until its last chunk runs.
-  Only the head can be part-way through its prefill.
-- Otherwise decode: one token for every running sequence. A sequence whose next token needs a
-  new block when none is free takes one from the most recently admitted running sequence, which
-  is *preempted*: its blocks are freed and it goes back to the front of `waiting`, to be
-  recomputed later (by then its prefix may even be cached). The oldest sequences thus always
-  make progress, and a single sequence alone always fits (checked at intake), so this never
-  deadlocks.
+- Decode first: one token for every running sequence. A sequence whose next token needs a new
+  block when none is free takes one from the most recently admitted running sequence, which is
+  *preempted*: its blocks are freed and it goes back to the front of `waiting`, to be recomputed
+  later (by then its prefix may even be cached). The oldest sequences thus always make progress,
+  and a single sequence alone always fits (checked at intake), so this never deadlocks.
+- Then prefill chunks fill the step's token budget: the part-prefilled head of `waiting` first,
+  then new prompts in FIFO order while the batch limit (`max_num_seqs`) and free blocks allow.
+  A prompt longer than what is left of the budget is cut (chunked prefill): the chunk runs now
+  and the sequence stays at the head of `waiting`, keeping its blocks, until its last chunk
+  runs. So only the head can be part-way through its prefill. A step that preempted admits no
+  new prompt (it would take back the blocks just freed).
+
+The budget is `max_num_batched_tokens` when nothing decodes (a prefill-only step), and
+`max_num_mixed_tokens` (decode rows included) when something does: a step's time grows with its
+tokens, and every decoding sequence waits for the whole step, so this smaller budget bounds the
+gap between two tokens of a sequence while prompts keep arriving (docs/performance.md has the
+measurement behind the default). `prefill_first` restores the rule before mixed steps (a
+prefill-only step whenever a prompt can be admitted), for bench's comparison.
 
 A step's life has two halves, because with overlap scheduling (llm.py) the next step is
 scheduled before this one's tokens are back:
 - `schedule` decides the step and at once accounts for it as computed: counters advance and
-  every sequence whose step samples a token gets a *placeholder* for it, `-1 - row` (the row of
-  this step that will sample it). The next step's decode input is then simply the last token,
-  placeholder or not, at position len - 1; the model runner swaps placeholders for the sampled
-  ids on the device. A sequence whose placeholder is its last token by length (`max_tokens`,
-  `max_model_len`) leaves `running` right away: it is never scheduled again.
+  every sequence whose step samples a token gets a *placeholder* for it, `-1 - row` (the
+  sampling row of this step that will produce it; docs/walkthrough.md has a worked example). The
+  next step's decode input is then simply the last token, placeholder or not; the model runner
+  swaps placeholders for the sampled ids on the device. A sequence whose placeholder is its last
+  token by length (`max_tokens`, `max_model_len`) leaves `running` right away.
 - `update` gets the step's sampled ids: fills the placeholders, registers the now computed
   blocks in the prefix cache, and finishes sequences. A stop that only the token reveals (EOS, a
-  stop id) is seen one step late: the sequence was already scheduled once more; that token is
-  dropped (`num_discarded_tokens`) and never reaches the output.
-The per-step facts (rows, token counts, where each sampled token goes) live in the `Batch`,
-not on the sequences, since the next `schedule` runs before this step's `update`.
+  stop id, a stop string in llm.py) is seen one step late: the sequence was already scheduled
+  once more; that token is dropped (`num_discarded_tokens`) and never reaches the output.
+The per-step facts live in the `Batch`, not on the sequences, since the next `schedule` runs
+before this step's `update`.
 
-LoRA adapters (layers/lora_slots.py) live in `max_loras` GPU slots, so no step may use more adapters
-than that. Admission keeps it so: a waiting sequence whose adapter is not already used by a
-running one waits while `max_loras` adapters are in use (more adapters than slots are served in
-turn). Each step then gets a slot for every adapter it uses: the one the adapter already has,
-else a free one, else the least recently used slot whose adapter no running sequence needs; the
-load itself (`Batch.lora_loads`) runs on the GPU in stream order, after any step in flight
-that still reads the old adapter.
+n > 1: the step that completes a prompt also forks its request's other completions: they share
+the full prompt blocks, each gets a copy of the partial last one (a block reserved at admission),
+and each samples its own first token from the same logits (a row per fork).
+
+LoRA adapters (layers/lora_slots.py) live in `max_loras` GPU slots, so no step may use more
+adapters than that. Admission keeps it so: a waiting sequence whose adapter is not already used
+by a running one waits while `max_loras` adapters are in use. Each step then gets a slot for
+every adapter it uses: the one the adapter already has, else a free one, else the least recently
+used slot whose adapter no running sequence needs; the load itself (`Batch.lora_loads`) runs on
+the GPU in stream order, after any step in flight that still reads the old adapter.
 """
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 
 from nanograph.engine.block_manager import BlockManager
@@ -48,53 +58,61 @@ from nanograph.engine.sequence import Sequence, Status
 
 @dataclass
 class Batch:
-    """One scheduled step."""
-    seqs: list[Sequence]
-    is_prefill: bool
-    starts: list[int]       # per sequence: its first token computed this step (num_computed_tokens before)
-    num_tokens: list[int]   # per sequence: tokens computed this step (a prefill chunk, or 1)
-    samples: list[bool]     # per sequence: whether this step samples its next token (False: a chunk)
-    lora_slots: list[int] | None = None                  # per sequence: adapter slot, -1 = none; None: no adapters
-    lora_rank: int = 0                                   # rank bucket of the step's adapters, 0 = none
-    lora_loads: list = field(default_factory=list)       # (slot, Adapter) to load before this step
+    """One scheduled step: the decode part, then the prefill part."""
+    seqs: list[Sequence]    # the first num_decodes decode one token each, the rest are prefill chunks
+    num_decodes: int
+    num_tokens: list[int]   # per sequence: tokens computed this step (1 in the decode part)
+    starts: list[int] = field(default_factory=list)  # per sequence: num_computed_tokens before
+    rows: list[Sequence] = field(default_factory=list)  # who gets the token of each sampling row
+    row_sources: list[int] = field(default_factory=list)  # per row: the index in seqs it samples
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), after the step
+    lora_slots: list[int] | None = None             # per sequence: adapter slot, -1 = none
+    lora_rank: int = 0                              # rank bucket of the step's adapters, 0 = none
+    lora_loads: list = field(default_factory=list)  # (slot, Adapter) to load before this step
+
+    @property
+    def kind(self) -> str:
+        if self.num_decodes == len(self.seqs):
+            return "decode"
+        return "mixed" if self.num_decodes else "prefill"
 
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 eos_ids: frozenset[int] = frozenset(), max_model_len: int = 1 << 30, max_loras: int = 0,
-                 lora_ranks: tuple[int, ...] = ()):
+                 max_num_mixed_tokens: int | None = None, max_model_len: int = 1 << 30,
+                 max_loras: int = 0, lora_ranks: tuple[int, ...] = ()):
         self.block_manager = block_manager
-        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
-        self.eos_ids, self.max_model_len = eos_ids, max_model_len
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_mixed_tokens = max_num_mixed_tokens or max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.prefill_first = False
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
-        self.num_preemptions = self.num_discarded_tokens = 0
-        self.max_loras, self.lora_ranks = max_loras, lora_ranks
+        self.num_preemptions = 0
+        self.num_discarded_tokens = 0
+        self.steps = Counter()  # "decode" / "mixed" / "prefill" -> steps scheduled
+        self.max_loras = max_loras
+        self.lora_ranks = lora_ranks
         self.slot_of: OrderedDict = OrderedDict()  # Adapter -> slot, least recently used first
 
     def schedule(self) -> Batch | None:
         """The next step (None: nothing can run until an in-flight step is collected)."""
-        seqs, counts, budget = [], [], self.max_num_batched_tokens
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            if seq.adapter and len(self.adapters_in_use([seq])) > self.max_loras:
-                break  # its adapter would need a slot more than there are
-            if not seq.block_table:
-                if seq.num_blocks > self.block_manager.num_free_blocks:
-                    break
-                self.block_manager.allocate(seq)
-            counts.append(min(len(seq) - seq.num_computed_tokens, budget))
-            budget -= counts[-1]
-            seqs.append(seq)
-            if seq.num_computed_tokens + counts[-1] < len(seq):
-                break  # a chunk: the budget is spent, the rest of the prompt goes next step
-            self.waiting.popleft()
-            seq.status = Status.RUNNING
-            self.running.append(seq)  # counts towards max_num_seqs (and its adapter towards max_loras) from here
-        if seqs:
-            return self.account(Batch(seqs, True, [], counts, []))
+        if self.prefill_first and (prefills := self.schedule_prefills(self.max_num_batched_tokens)):
+            return self.account([], prefills)
+        preemptions = self.num_preemptions
+        decodes = self.schedule_decodes()
+        budget = self.max_num_mixed_tokens if decodes else self.max_num_batched_tokens
+        prefills = []
+        if not self.prefill_first:
+            admit = self.num_preemptions == preemptions
+            prefills = self.schedule_prefills(budget - len(decodes), admit)
+        return self.account(decodes, prefills) if decodes or prefills else None
 
-        while self.running and len(seqs) < self.max_num_seqs:
+    def schedule_decodes(self) -> list[Sequence]:
+        """Every running sequence, each with room for one more token (preempting for it)."""
+        seqs = []
+        while self.running:
             seq = self.running.popleft()
             while not self.block_manager.append_slot(seq):
                 victim = self.running.pop() if self.running else seq
@@ -103,8 +121,39 @@ class Scheduler:
                     break
             else:
                 seqs.append(seq)
-        self.running.extendleft(reversed(seqs))
-        return self.account(Batch(seqs, False, [], [1] * len(seqs), [])) if seqs else None
+        self.running.extend(seqs)
+        return seqs
+
+    def schedule_prefills(self, budget: int, admit: bool = True) -> list[tuple[Sequence, int]]:
+        """(sequence, chunk) pairs from the head of `waiting` within `budget` tokens; only the
+        part-prefilled head, unless `admit`."""
+        chunks = []
+        while self.waiting and budget > 0:
+            seq = self.waiting[0]
+            if not seq.block_table and not (admit and self.can_admit(seq)):
+                break
+            if not seq.block_table:
+                self.block_manager.allocate(seq)
+                self.block_manager.reserve_fork_blocks(seq)
+            chunk = min(len(seq) - seq.num_computed_tokens, budget)
+            budget -= chunk
+            chunks.append((seq, chunk))
+            if seq.num_computed_tokens + chunk < len(seq):
+                break  # a chunk: the budget is spent, the rest of the prompt goes next step
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            # counts towards max_num_seqs (and its adapter towards max_loras) from here
+            self.running.append(seq)
+        return chunks
+
+    def can_admit(self, seq: Sequence) -> bool:
+        """Room for `seq` (and its forks): sequences, adapter slots, blocks."""
+        if len(self.running) + 1 + len(seq.forks) > self.max_num_seqs:
+            return False
+        if seq.adapter and len(self.adapters_in_use([seq])) > self.max_loras:
+            return False  # its adapter would need a slot more than there are
+        partial = seq.num_prompt_tokens % self.block_manager.block_size > 0
+        return seq.num_blocks + len(seq.forks) * partial <= self.block_manager.num_free_blocks
 
     def adapters_in_use(self, seqs) -> set:
         return {s.adapter for s in (*self.running, *seqs) if s.adapter}
@@ -115,7 +164,8 @@ class Scheduler:
         for adapter in adapters:
             if adapter not in self.slot_of:
                 slot = len(self.slot_of)  # slots are taken in order and only ever change hands
-                if slot == self.max_loras:  # all taken: admission guarantees one whose adapter no running seq needs
+                if slot == self.max_loras:
+                    # all taken: admission guarantees one whose adapter no running seq needs
                     in_use = self.adapters_in_use(batch.seqs)
                     slot = self.slot_of.pop(next(a for a in self.slot_of if a not in in_use))
                 self.slot_of[adapter] = slot
@@ -124,20 +174,36 @@ class Scheduler:
         batch.lora_slots = [self.slot_of[s.adapter] if s.adapter else -1 for s in batch.seqs]
         batch.lora_rank = next(r for r in self.lora_ranks if r >= max(a.rank for a in adapters))
 
-    def account(self, batch: Batch) -> Batch:
-        """Treat `batch` as computed: give it adapter slots, advance the counters, give each
-        sampling row a placeholder."""
+    def account(self, decodes: list[Sequence], prefills: list[tuple[Sequence, int]]) -> Batch:
+        """The step of `decodes` and `prefills`, treated as computed: adapter slots, counters
+        advanced, a placeholder for each sampling row, forks forked."""
+        batch = Batch(seqs=decodes + [seq for seq, _ in prefills],
+                      num_decodes=len(decodes),
+                      num_tokens=[1] * len(decodes) + [chunk for _, chunk in prefills])
         self.assign_slots(batch)
-        for row, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
+        self.steps[batch.kind] += 1
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             batch.starts.append(seq.num_computed_tokens)
             seq.num_computed_tokens += n
-            # a prefill chunk (not the prompt's end) samples nothing: its logits predict nothing
-            batch.samples.append(seq.num_computed_tokens == len(seq))
-            if batch.samples[-1]:
-                seq.token_ids.append(-1 - row)
-                if self.at_length_limit(seq, len(seq)):
-                    self.running.remove(seq)  # its last token is decided: finishes in update()
+            if seq.num_computed_tokens < len(seq):
+                continue  # a prefill chunk (not the prompt's end) samples nothing
+            for child in seq.forks:
+                if (copy := self.block_manager.fork(seq, child)) is not None:
+                    batch.block_copies.append(copy)
+                child.num_computed_tokens = seq.num_computed_tokens
+                child.status = Status.RUNNING
+                self.running.append(child)
+            for sampler in [seq, *seq.forks]:
+                self.add_row(batch, sampler, i)
+            seq.forks = []
         return batch
+
+    def add_row(self, batch: Batch, seq: Sequence, source: int) -> None:
+        seq.token_ids.append(-1 - len(batch.rows))
+        batch.rows.append(seq)
+        batch.row_sources.append(source)
+        if self.at_length_limit(seq, len(seq)):
+            self.running.remove(seq)  # its last token is decided: finishes in update()
 
     def at_length_limit(self, seq: Sequence, length: int) -> bool:
         """Whether a sequence of `length` tokens has no room for another (max_tokens, max_model_len)."""
@@ -150,31 +216,45 @@ class Scheduler:
         self.waiting.insert(1 if self.waiting and self.waiting[0].block_table else 0, seq)
         self.num_preemptions += 1
 
-    def update(self, batch: Batch, sampled: list[int]) -> list[Sequence]:
-        """Account for a collected step; returns the sequences that finished."""
-        finished = []
-        for row, (seq, token) in enumerate(zip(batch.seqs, sampled)):
-            if seq.status == Status.FINISHED:
-                self.num_discarded_tokens += batch.samples[row]  # stopped by a token one step late
-                continue
-            end = batch.starts[row] + batch.num_tokens[row]  # computed after this step: the sampled token's index
+    def update(self, batch: Batch, sampled: list[int], logprobs: list[dict | None] | None = None,
+               ) -> list[Sequence]:
+        """Account for a collected step: each row's token (and its logprobs, when asked) into its
+        sequence. Returns the sequences that got a token (finished ones with their reason)."""
+        for i, seq in enumerate(batch.seqs):
             # blocks this step completed (none if it was preempted since: its counter went back to 0)
-            self.block_manager.register_computed_blocks(seq, min(end, seq.num_computed_tokens))
-            if not batch.samples[row]:
+            end = batch.starts[i] + batch.num_tokens[i]
+            if seq.status != Status.FINISHED:
+                self.block_manager.register_computed_blocks(seq, min(end, seq.num_computed_tokens))
+        updated = []
+        for row, (seq, source, token) in enumerate(zip(batch.rows, batch.row_sources, sampled)):
+            if seq.status == Status.FINISHED:
+                self.num_discarded_tokens += 1  # stopped by a token one step late
                 continue
-            seq.token_ids[end] = token
-            p = seq.params
-            if ((not p.ignore_eos and token in self.eos_ids) or (p.stop_token_ids and token in p.stop_token_ids)
-                    or self.at_length_limit(seq, end + 1)):
-                del seq.token_ids[end + 1:]  # a placeholder of the step already scheduled after this one
-                self.finish(seq)
-                finished.append(seq)
-        return finished
+            index = batch.starts[source] + batch.num_tokens[source]  # the sampled token's index
+            seq.token_ids[index] = token
+            if seq.logprobs is not None:
+                seq.logprobs.append(logprobs[row])
+                seq.cumulative_logprob += logprobs[row][token]
+            if token in seq.stop_ids:
+                stop_id = token if token in (seq.params.stop_token_ids or ()) else None
+                self.finish(seq, "stop", stop_id)
+            elif self.at_length_limit(seq, index + 1):
+                self.finish(seq, "length")
+            updated.append(seq)
+        return updated
 
-    def finish(self, seq: Sequence) -> None:
-        """Done or aborted: free its blocks, take it off whichever queue holds it."""
+    def finish(self, seq: Sequence, reason: str = "abort", stop_reason: int | str | None = None) -> None:
+        """Done or aborted: drop the placeholders of steps scheduled after its last token, free its
+        blocks (and its forks'), take it off whichever queue holds it."""
+        if seq.status == Status.FINISHED:
+            return
+        while seq.token_ids[-1] < 0:  # placeholders of steps scheduled after its last token
+            seq.token_ids.pop()
         seq.status = Status.FINISHED
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
         self.block_manager.free(seq)
         for queue in (self.running, self.waiting):
             if seq in queue:
                 queue.remove(seq)
+        for child in seq.forks:
+            self.finish(child, reason)

@@ -1,11 +1,15 @@
-"""One request as the engine sees it: its tokens, how far the KV cache covers them, its blocks.
+"""One completion as the engine sees it: its tokens, how far the KV cache covers them, its blocks.
 
 The central counter is `num_computed_tokens`: tokens [0, num_computed_tokens) have K/V in the
 cache (or will have, once the steps already launched have run). A step computes more of them (a
 prefill chunk, or 1 in decode); when the cache covers every token, the step's logits give the
 next token. Until the host has that token back, `token_ids` ends with a placeholder for it, a
-negative number (see scheduler.py). Preemption frees the blocks and resets the counter to 0:
-the tokens stay, their K/V is recomputed later.
+negative number (docs/walkthrough.md, "Placeholders"). Preemption frees the blocks and resets the
+counter to 0: the tokens stay, their K/V is recomputed later.
+
+A request for n completions is n sequences. The first computes the prompt; the others wait in
+its `forks` and are forked from it by the step that completes the prompt (scheduler.py): they
+share its prompt blocks and sample their first tokens from the same logits.
 """
 from enum import Enum, auto
 
@@ -23,7 +27,7 @@ class Status(Enum):
 
 class Sequence:
     def __init__(self, seq_id: int, prompt: list[int], params: SamplingParams, block_size: int,
-                 engine_seed: int = 0, adapter: Adapter | None = None):
+                 seed: int = 0, stop_ids: frozenset[int] = frozenset(), adapter: Adapter | None = None):
         self.seq_id = seq_id
         self.token_ids = list(prompt)
         self.num_prompt_tokens = len(prompt)
@@ -33,12 +37,17 @@ class Sequence:
         self.block_table: list[int] = []
         self.num_computed_tokens = 0
         self.num_hashed_blocks = 0   # leading blocks already registered in the prefix cache
-        # its sampling noise (layers/sampler.py): its own seed, else one made of the engine's seed and its
-        # id, so that runs repeat
-        self.seed = params.seed if params.seed is not None else xxhash.xxh32_intdigest(b"%d" % seq_id, engine_seed)
+        self.seed = seed             # its sampling noise stream (layers/sampler.py)
+        self.stop_ids = stop_ids     # tokens that end it: EOS (unless ignore_eos) and stop_token_ids
         self.adapter = adapter       # its LoRA adapter, None = the base model
-        # the prefix cache's hash chain starts here: the same tokens under another adapter have other K/V
+        # the prefix cache's hash chain starts here: the same tokens under another adapter have
+        # other K/V
         self.cache_salt = 0 if adapter is None else xxhash.xxh64_intdigest(repr(adapter.request).encode())
+        self.forks: list[Sequence] = []   # the other completions of its request, not yet forked
+        self.finish_reason: str | None = None   # "stop" | "length" | "abort"
+        self.stop_reason: int | str | None = None  # the stop id or stop string that ended it
+        self.logprobs: list[dict] | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob = 0.0
 
     def __len__(self) -> int:
         return len(self.token_ids)

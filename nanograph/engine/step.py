@@ -23,37 +23,71 @@ from nanograph.engine.scheduler import Batch
 
 @dataclass
 class StepInput:
-    is_prefill: bool
-    input_ids: list[int]        # the tokens computed this step, all sequences concatenated (< 0: placeholder)
-    positions: list[int]
-    slot_mapping: list[int]     # cache slot of each of those tokens
-    context_lens: list[int]     # per sequence: keys to attend (cached + computed before + new)
-    block_tables: list[list[int]]   # one row per sequence, all as wide as the widest, -1 past its blocks
-    cu_seqlens_q: list[int]     # per sequence offsets into input_ids (len = sequences + 1)
-    temperatures: list[float]   # per sequence, 0 = greedy
-    seeds: list[int]            # per sequence: its noise stream (layers/sampler.py), 31 bits: int32 buffers
-    top_ks: list[int] | None = None          # per sequence, -1 = off; None: no row uses top-k / top-p
+    """A step as plain lists. Three granularities: tokens, sequences (each a decode row or a
+    prefill chunk), and sampling rows (a sequence whose step samples, plus one per fork)."""
+    num_decodes: int = 0        # sequences [0, num_decodes) decode one token; the rest are chunks
+    # per token, all sequences concatenated
+    input_ids: list[int] = field(default_factory=list)     # < 0: placeholder (see above)
+    positions: list[int] = field(default_factory=list)
+    slot_mapping: list[int] = field(default_factory=list)  # cache slot of each token
+    # per sequence
+    context_lens: list[int] = field(default_factory=list)  # keys to attend (cached + new)
+    block_tables: list[list[int]] = field(default_factory=list)  # as wide as the widest, -1 past
+    cu_seqlens_q: list[int] = field(default_factory=lambda: [0])  # offsets into the tokens
+    lora_slots: list[int] | None = None   # its adapter's slot, -1 = none; None: no adapters
+    # per sampling row
+    sample_indices: list[int] = field(default_factory=list)  # the token whose logits it samples
+    sample_lens: list[int] = field(default_factory=list)     # that token's index in its sequence + 1
+    temperatures: list[float] = field(default_factory=list)  # 0 = greedy
+    seeds: list[int] = field(default_factory=list)   # noise stream (layers/sampler.py), 31 bits
+    top_ks: list[int] | None = None       # -1 = off; None: no row uses top-k / top-p
     top_ps: list[float] | None = None
-    lora_slots: list[int] | None = None   # per sequence: its adapter's slot, -1 (or None for all) = none
+    num_logprobs: list[int] | None = None  # top log-probabilities to return, -1 = none; None: no row
+    banned_rows: list[int] = field(default_factory=list)  # (row, token) pairs masked: min_tokens
+    banned_ids: list[int] = field(default_factory=list)
+    # per step
+    copy_from: list[int] = field(default_factory=list)  # KV blocks copied after the forward (forks)
+    copy_to: list[int] = field(default_factory=list)
     lora_rank: int = 0                    # the step's LoRA rank bucket, 0 = no adapters
     lora_loads: list = field(default_factory=list)  # (slot, Adapter) to load first (scheduler.py)
 
+    @property
+    def needs_logits(self) -> bool:
+        """Whether some row's sampling needs the logits after the graph: top-k / top-p, a mask."""
+        return self.top_ks is not None or bool(self.banned_rows)
+
 
 def build_step(batch: Batch, block_size: int) -> StepInput:
-    params = [seq.params for seq in batch.seqs]
-    top = any(p.top_k > 0 or p.top_p < 1 for p in params)  # top-k / top-p cost a sort: only when some row asks
-    step = StepInput(batch.is_prefill, [], [], [], [], [], [0], [p.temperature for p in params],
-                     [seq.seed & 0x7FFFFFFF for seq in batch.seqs], [p.top_k for p in params] if top else None,
-                     [p.top_p for p in params] if top else None, batch.lora_slots, batch.lora_rank, batch.lora_loads)
+    step = StepInput(num_decodes=batch.num_decodes,
+                     lora_slots=batch.lora_slots,
+                     lora_rank=batch.lora_rank,
+                     lora_loads=batch.lora_loads)
     width = max(len(seq.block_table) for seq in batch.seqs)
-    for row, seq in enumerate(batch.seqs):
-        start, end = batch.starts[row], batch.starts[row] + batch.num_tokens[row]
+    for seq, start, n in zip(batch.seqs, batch.starts, batch.num_tokens):
+        end = start + n
         step.input_ids += seq.token_ids[start:end]
         step.positions += range(start, end)
-        step.slot_mapping += [seq.block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+        table = seq.block_table
+        step.slot_mapping += [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
         step.context_lens.append(end)
-        step.block_tables.append(seq.block_table + [-1] * (width - len(seq.block_table)))
+        step.block_tables.append(table + [-1] * (width - len(table)))
         step.cu_seqlens_q.append(len(step.input_ids))
+    params = [seq.params for seq in batch.rows]
+    for row, (seq, source) in enumerate(zip(batch.rows, batch.row_sources)):
+        step.sample_indices.append(step.cu_seqlens_q[source + 1] - 1)
+        step.sample_lens.append(step.context_lens[source])
+        step.temperatures.append(seq.params.temperature)
+        step.seeds.append(seq.seed & 0x7FFFFFFF)
+        if step.sample_lens[-1] - seq.num_prompt_tokens < seq.params.min_tokens:
+            step.banned_ids += seq.stop_ids
+            step.banned_rows += [row] * len(seq.stop_ids)
+    if any(p.top_k > 0 or p.top_p < 1 for p in params):  # they cost a sort: only when asked
+        step.top_ks = [p.top_k for p in params]
+        step.top_ps = [p.top_p for p in params]
+    if any(p.logprobs is not None for p in params):
+        step.num_logprobs = [-1 if p.logprobs is None else p.logprobs for p in params]
+    step.copy_from = [src for src, _ in batch.block_copies]
+    step.copy_to = [dst for _, dst in batch.block_copies]
     return step
 
 

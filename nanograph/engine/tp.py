@@ -46,6 +46,7 @@ import os
 import signal
 import threading
 import weakref
+from dataclasses import fields
 from multiprocessing.connection import wait
 
 import torch
@@ -70,24 +71,29 @@ def init_distributed(config: Config, rank: int, store: dist.Store) -> None:
                             world_size=config.tensor_parallel_size, timeout=STEP_TIMEOUT)
 
 
-LISTS = ("input_ids", "positions", "slot_mapping", "context_lens", "cu_seqlens_q", "temperatures", "seeds", "top_ks",
-         "top_ps", "lora_slots")
-FLOATS = ("temperatures", "top_ps")  # sent as their float32 bits
+# the StepInput fields sent as int32 lists (floats as their bits); None goes as an empty list
+LISTS = tuple(f.name for f in fields(StepInput)
+              if f.name not in ("num_decodes", "block_tables", "lora_rank", "lora_loads"))
+FLOATS = ("temperatures", "top_ps")
+OPTIONAL = ("top_ks", "top_ps", "num_logprobs", "lora_slots")  # None, not [], when empty
 HEADER = 5 + len(LISTS) + 1  # see send_step
 
 
 def send_step(step: StepInput | None, group) -> None:
-    """Rank 0: a header [1, is_prefill, LoRA rank, adapter loads, table width, the length of each
-    list], then the lists and the block tables back to back, as int32 tensors (a None list, such
-    as top_ks when no row uses it, goes as an empty one); an all-zero header (None) tells the
-    workers to exit. Adapter loads, rare, follow as a pickle."""
+    """Rank 0: a header [1, num_decodes, LoRA rank, adapter loads, table width, the length of
+    each list], then the lists and the block tables back to back, as int32 tensors; an all-zero
+    header (None) tells the workers to exit. Adapter loads, rare, follow as a pickle."""
     if step is None:
         dist.broadcast(torch.zeros(HEADER, dtype=torch.int32), src=0, group=group)
         return
-    parts = [torch.tensor(getattr(step, name) or [], dtype=torch.float32 if name in FLOATS else torch.int32)
-             .view(torch.int32) for name in LISTS] + [torch.tensor(step.block_tables, dtype=torch.int32).flatten()]
-    header = [1, step.is_prefill, step.lora_rank, len(step.lora_loads), len(step.block_tables[0])]
-    dist.broadcast(torch.tensor(header + [len(part) for part in parts], dtype=torch.int32), src=0, group=group)
+    parts = []
+    for name in LISTS:
+        dtype = torch.float32 if name in FLOATS else torch.int32
+        parts.append(torch.tensor(getattr(step, name) or [], dtype=dtype).view(torch.int32))
+    parts.append(torch.tensor(step.block_tables, dtype=torch.int32).flatten())
+    header = [1, step.num_decodes, step.lora_rank, len(step.lora_loads), len(step.block_tables[0])]
+    header += [len(part) for part in parts]
+    dist.broadcast(torch.tensor(header, dtype=torch.int32), src=0, group=group)
     dist.broadcast(torch.cat(parts), src=0, group=group)
     if step.lora_loads:
         dist.broadcast_object_list([step.lora_loads], src=0, group=group)
@@ -96,19 +102,21 @@ def send_step(step: StepInput | None, group) -> None:
 def receive_step(group) -> StepInput | None:
     header = torch.empty(HEADER, dtype=torch.int32)
     dist.broadcast(header, src=0, group=group)
-    alive, is_prefill, lora_rank, loads, width, *lengths = header.tolist()
+    alive, num_decodes, lora_rank, loads, width, *lengths = header.tolist()
     if not alive:
         return None
     payload = torch.empty(sum(lengths), dtype=torch.int32)
     dist.broadcast(payload, src=0, group=group)
     *parts, tables = payload.split(lengths)
-    lists = {name: (part.view(torch.float32) if name in FLOATS else part).tolist() or None
-             for name, part in zip(LISTS, parts)}
+    lists = {}
+    for name, part in zip(LISTS, parts):
+        values = (part.view(torch.float32) if name in FLOATS else part).tolist()
+        lists[name] = None if name in OPTIONAL and not values else values
     lora_loads = [[]]
     if loads:
         dist.broadcast_object_list(lora_loads, src=0, group=group)
-    return StepInput(bool(is_prefill), block_tables=tables.view(-1, width).tolist(), lora_rank=lora_rank,
-                     lora_loads=lora_loads[0], **lists)
+    return StepInput(num_decodes=num_decodes, block_tables=tables.view(-1, width).tolist(),
+                     lora_rank=lora_rank, lora_loads=lora_loads[0], **lists)
 
 
 def worker_main(config: Config, rank: int, port: int) -> None:

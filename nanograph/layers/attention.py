@@ -42,32 +42,42 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
     return cache[block_tables.clamp(min=0)].flatten(1, 2)
 
 
+# The backends' attention, each (q, k_cache, v_cache, md, scale) with q rotated and the new K/V
+# stored. A prefill function attends the prefill part: q holds its tokens, and its sequences are
+# md's from md.num_decodes on. A decode function attends the decode part, md's first rows.
+
 def torch_prefill(q, k_cache, v_cache, md: StepMetadata, scale: float) -> torch.Tensor:
     out = torch.empty_like(q)
-    cu = md.host_cu_seqlens_q
+    cu, tables = md.host_cu_seqlens_q, md.block_tables[md.num_decodes:]
     for s, ctx in enumerate(md.host_context_lens):
-        k, v = (gather_kv(c, md.block_tables[s:s + 1])[0, :ctx].transpose(0, 1) for c in (k_cache, v_cache))
+        k, v = (gather_kv(c, tables[s:s + 1])[0, :ctx].transpose(0, 1) for c in (k_cache, v_cache))
         qs = q[cu[s]:cu[s + 1]].transpose(0, 1)  # [Hq, n, D]; k, v: [Hkv, ctx, D]
         n = qs.shape[1]
         # query i sits at position ctx - n + i and sees keys 0 .. ctx - n + i
-        mask = torch.arange(ctx, device=q.device)[None, :] <= torch.arange(ctx - n, ctx, device=q.device)[:, None]
+        keys = torch.arange(ctx, device=q.device)
+        mask = keys[None, :] <= torch.arange(ctx - n, ctx, device=q.device)[:, None]
         o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         out[cu[s]:cu[s + 1]] = o.transpose(0, 1)
     return out
 
 
 def torch_decode(q, k_cache, v_cache, md: StepMetadata, scale: float) -> torch.Tensor:
-    k, v = (gather_kv(cache, md.block_tables).transpose(1, 2) for cache in (k_cache, v_cache))  # [B, Hkv, L, D]
-    mask = torch.arange(k.shape[2], device=q.device)[None, :] < md.context_lens[:, None]
+    n = md.num_decodes
+    tables, lens = md.block_tables[:n], md.context_lens[:n]
+    # [B, Hkv, L, D]
+    k, v = (gather_kv(cache, tables).transpose(1, 2) for cache in (k_cache, v_cache))
+    mask = torch.arange(k.shape[2], device=q.device)[None, :] < lens[:, None]
     mask[:, 0] = True  # padded rows (context 0) attend to one junk key instead of producing NaN
-    return F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :], scale=scale,
-                                          enable_gqa=True).squeeze(2)
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :],
+                                         scale=scale, enable_gqa=True)
+    return out.squeeze(2)
 
 
 def triton_prefill(q, k_cache, v_cache, md: StepMetadata, scale: float) -> torch.Tensor:
     from nanograph.kernels.paged_prefill import paged_prefill_attention
-    return paged_prefill_attention(q, k_cache, v_cache, md.cu_seqlens_q, md.context_lens, md.block_tables,
-                                   md.max_seqlen_q, scale)
+    n = md.num_decodes
+    return paged_prefill_attention(q, k_cache, v_cache, md.cu_seqlens_q, md.context_lens[n:],
+                                   md.block_tables[n:], md.max_seqlen_q, scale)
 
 
 def triton_rotate_and_store(q, k, v, positions, rotary, k_cache, v_cache, slot_mapping):
@@ -77,27 +87,30 @@ def triton_rotate_and_store(q, k, v, positions, rotary, k_cache, v_cache, slot_m
 
 def flash_attn_prefill(q, k_cache, v_cache, md: StepMetadata, scale: float) -> torch.Tensor:
     from flash_attn import flash_attn_varlen_func
-    cu_k = F.pad(md.context_lens.cumsum(0, dtype=torch.int32), (1, 0))
+    n = md.num_decodes
+    cu_k = F.pad(md.context_lens[n:].cumsum(0, dtype=torch.int32), (1, 0))
     return flash_attn_varlen_func(q, k_cache, v_cache, md.cu_seqlens_q, cu_k, md.max_seqlen_q,
                                   max(md.host_context_lens), softmax_scale=scale, causal=True,
-                                  block_table=md.block_tables)
+                                  block_table=md.block_tables[n:])
 
 
 def flash_attn_decode(q, k_cache, v_cache, md: StepMetadata, scale: float) -> torch.Tensor:
     from flash_attn import flash_attn_with_kvcache
-    return flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=md.context_lens,
-                                   block_table=md.block_tables, softmax_scale=scale, causal=True).squeeze(1)
+    n = md.num_decodes
+    out = flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=md.context_lens[:n],
+                                  block_table=md.block_tables[:n], softmax_scale=scale, causal=True)
+    return out.squeeze(1)
 
 
-# name -> (prefill, decode), each (q, k_cache, v_cache, md, scale), q rotated and the new K/V stored
-# (triton's decode does that itself, see Attention.forward)
+# name -> (prefill, decode); triton's decode rotates, stores and attends in one kernel
 ATTEND = {"torch": (torch_prefill, torch_decode), "triton": (triton_prefill, None),
           "flash_attn": (flash_attn_prefill, flash_attn_decode)}
 
 
 class Attention(nn.Module):
     """Rotates q and k, stores K/V for the new tokens, then attends.
-    q: [tokens, Hq, D], k/v: [tokens, Hkv, D], straight out of the QKV projection."""
+    q: [tokens, Hq, D], k/v: [tokens, Hkv, D], straight out of the QKV projection: the decode
+    rows first, then the prefill chunks (either part may be empty)."""
 
     def __init__(self, scale: float, rope, q_norm=None, k_norm=None):
         super().__init__()
@@ -111,11 +124,28 @@ class Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         md = get_step_metadata()
-        if self.backend == "triton" and not md.is_prefill:  # one kernel rotates, stores and attends
-            from nanograph.kernels.paged_decode import paged_decode_attention
-            return paged_decode_attention(q, k, v, positions, md.slot_mapping, *self.rotary, self.k_cache,
-                                          self.v_cache, md.block_tables, md.context_lens, self.scale)
+        n = md.num_decodes
+        if n == q.shape[0]:
+            return self.decode(positions, q, k, v, md)
+        if n == 0:
+            return self.prefill(positions, q, k, v, md)
+        decoded = self.decode(positions[:n], q[:n], k[:n], v[:n], md)
+        return torch.cat([decoded, self.prefill(positions[n:], q[n:], k[n:], v[n:], md)])
+
+    def rotate_and_store(self, positions, q, k, v, slot_mapping) -> torch.Tensor:
         rotate_and_store = torch_rotate_and_store if self.backend == "torch" else triton_rotate_and_store
-        q = rotate_and_store(q, k, v, positions, self.rotary, self.k_cache, self.v_cache, md.slot_mapping)
-        prefill, decode = ATTEND[self.backend]
-        return (prefill if md.is_prefill else decode)(q, self.k_cache, self.v_cache, md, self.scale)
+        return rotate_and_store(q, k, v, positions, self.rotary, self.k_cache, self.v_cache, slot_mapping)
+
+    def decode(self, positions, q, k, v, md: StepMetadata) -> torch.Tensor:
+        n = md.num_decodes
+        if self.backend == "triton":  # one kernel rotates, stores and attends
+            from nanograph.kernels.paged_decode import paged_decode_attention
+            return paged_decode_attention(q, k, v, positions, md.slot_mapping[:n], *self.rotary,
+                                          self.k_cache, self.v_cache, md.block_tables[:n],
+                                          md.context_lens[:n], self.scale)
+        q = self.rotate_and_store(positions, q, k, v, md.slot_mapping[:n])
+        return ATTEND[self.backend][1](q, self.k_cache, self.v_cache, md, self.scale)
+
+    def prefill(self, positions, q, k, v, md: StepMetadata) -> torch.Tensor:
+        q = self.rotate_and_store(positions, q, k, v, md.slot_mapping[md.num_decodes:])
+        return ATTEND[self.backend][0](q, self.k_cache, self.v_cache, md, self.scale)

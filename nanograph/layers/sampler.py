@@ -59,7 +59,8 @@ def chunked_argmax(scores: torch.Tensor) -> torch.Tensor:
     over the chunks' maxima. One reduction per row would run on one thread block per row: at batch 1,
     a 150k-long reduction on one of the GPU's 132 multiprocessors. Ties go to the first index."""
     b, v = scores.shape
-    chunks = F.pad(scores, (0, -v % VOCAB_CHUNK), value=float("-inf")).view(b, -1, VOCAB_CHUNK)
+    num_chunks = -(-v // VOCAB_CHUNK)
+    chunks = F.pad(scores, (0, -v % VOCAB_CHUNK), value=float("-inf")).view(b, num_chunks, VOCAB_CHUNK)
     best, index = chunks.max(dim=-1)                 # [B, chunks]
     chunk = best.argmax(dim=-1, keepdim=True)        # the first chunk holding the row's maximum
     return (chunk * VOCAB_CHUNK + index.gather(-1, chunk))[:, 0]
@@ -77,9 +78,22 @@ def top_k_top_p_filter(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch
 
 
 def sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, lengths: torch.Tensor,
-           top_ks: torch.Tensor | None = None, top_ps: torch.Tensor | None = None) -> torch.Tensor:
-    """The race, after the top-k / top-p filter when they are given (top_k < 1 = off, top_p 1 = off)."""
-    if top_ks is not None:  # what top-k / top-p of the tempered distribution leave out can't win
+           top: tuple | None = None, banned: tuple | None = None) -> torch.Tensor:
+    """sample_softmax after the masks: `banned` (rows, token ids) pairs (min_tokens), then the
+    top-k / top-p filter when `top` = (top_ks, top_ps) is given (top_k < 1 = off, top_p 1 = off)."""
+    if banned is not None:
+        logits = logits.float().index_put(banned, torch.tensor(float("-inf"), device=logits.device))
+    if top is not None:  # what top-k / top-p of the tempered distribution leave out can't win
         tempered = logits.float() / temperatures.clamp(min=1e-5)[:, None]
-        logits = logits.float().masked_fill(top_k_top_p_filter(tempered, top_ks, top_ps).isinf(), float("-inf"))
+        left_out = top_k_top_p_filter(tempered, *top).isinf()
+        logits = logits.float().masked_fill(left_out, float("-inf"))
     return sample_softmax(logits, temperatures, seeds, lengths)
+
+
+def top_logprobs(logits: torch.Tensor, sampled: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
+    """From the raw logits (before temperature and the filters, as vLLM reports them): each row's
+    log-probability of its sampled token [rows], and its n most likely tokens' [rows, n] with
+    their ids."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    top_values, top_ids = logprobs.topk(n, dim=-1)
+    return logprobs.gather(-1, sampled[:, None])[:, 0], top_values, top_ids

@@ -18,17 +18,23 @@ import torch
 
 @dataclass
 class StepMetadata:
-    is_prefill: bool
+    num_decodes: int                  # tokens (and sequences) [0, num_decodes) decode, one each
     slot_mapping: torch.Tensor        # [num_tokens] cache slot of each new token, -1 = write nothing
     context_lens: torch.Tensor        # [num_seqs] keys each sequence attends to (cached + new)
     block_tables: torch.Tensor        # [num_seqs, max_blocks] int32, -1 past the last block
-    cu_seqlens_q: torch.Tensor | None = None   # [num_seqs + 1] prefill only: query offsets
-    max_seqlen_q: int = 0                       # prefill only
-    host_cu_seqlens_q: list[int] | None = None  # prefill only: the same on the host, so the
-    host_context_lens: list[int] | None = None  # torch backend can slice without syncing
-    lora_rank: int = 0                          # rank bucket of the step's adapters, 0 = no LoRA work
-    lora_slots: torch.Tensor | None = None      # [num_tokens] int32 adapter slot of each token, -1 = none
-    lora_fold: torch.Tensor | None = None       # a producer's folded h for the next LoRA layer (layers/lora_slots.py)
+    # the prefill part (the chunks after the decode rows), when there is one
+    cu_seqlens_q: torch.Tensor | None = None    # [chunks + 1] offsets within the prefill part
+    max_seqlen_q: int = 0                       # a bound on a chunk's length (a graph's: static)
+    host_cu_seqlens_q: list[int] | None = None  # the same on the host, so that the torch
+    host_context_lens: list[int] | None = None  # backend can slice without syncing
+    lora_rank: int = 0                          # rank bucket of the step's adapters, 0 = no LoRA
+    lora_slots: torch.Tensor | None = None      # [num_tokens] int32 adapter slot of each token
+    lora_fold: torch.Tensor | None = None       # a producer's folded h for the next LoRA layer
+
+    @property
+    def is_decode(self) -> bool:
+        """Every token decodes (no prefill part)."""
+        return self.num_decodes == len(self.slot_mapping)
 
 
 _metadata: StepMetadata | None = None

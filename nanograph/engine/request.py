@@ -1,0 +1,124 @@
+"""One request as its user sees it: n completions of a prompt, their text, and the result dict.
+
+Text is made as tokens arrive, by one incremental detokenizer per completion. Decoding a token
+alone is wrong in general: a tokenizer may need the tokens before it (a leading space is part of
+the next word's token in SentencePiece vocabularies), and a character of several UTF-8 bytes may
+be cut by a token boundary. So each new piece of text is `decode(context + new) -
+decode(context)`, with a few tokens of context (the prompt's last ones at first); while the
+decode ends in U+FFFD, the replacement character, the bytes of a character are still
+incomplete and the tokens wait for the next ones.
+
+Stop strings are searched in that text as it grows: only in the new piece plus `len(stop) - 1`
+characters before it, so a stop string split across tokens is found, and nothing is searched
+twice. A match cuts the text (keeping the stop string only with `include_stop_str_in_output`) and
+finishes the completion as EOS would (llm.py frees it; a token computed one step late under
+overlap scheduling is dropped). Text given out while a completion runs never changes afterwards:
+the last `max(len(stop)) - 1` characters, which may be the start of a stop string, are held back
+until more text shows they are not.
+"""
+from dataclasses import dataclass
+
+from nanograph.engine.sequence import Sequence, Status
+
+CONTEXT_TOKENS = 5  # tokens decoded before the new ones, for the tokenizer's context
+
+
+class Detokenizer:
+    def __init__(self, tokenizer, prompt: list[int], skip_special_tokens: bool):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids = prompt[-CONTEXT_TOKENS:]
+        self.num_context = len(self.ids)   # ids[:num_context] were decoded before
+        self.num_fed = 0                   # completion tokens seen
+        self.text = ""
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def feed(self, token_ids: list[int]) -> str:
+        """Take the completion's new tokens; return the text they complete."""
+        self.ids += token_ids
+        self.num_fed += len(token_ids)
+        new = self.decode(self.ids)
+        context = self.decode(self.ids[:self.num_context])
+        if new.endswith("\ufffd") or len(new) < len(context):
+            return ""  # a character still incomplete: wait for the next tokens
+        piece = new[len(context):]
+        self.ids = self.ids[-CONTEXT_TOKENS:]
+        self.num_context = len(self.ids)
+        self.text += piece
+        return piece
+
+
+def find_stop(text: str, new_chars: int, stops: list[str]) -> tuple[int, str] | None:
+    """The earliest stop string in `text` that ends in its last `new_chars` characters:
+    (where it starts, which one)."""
+    found = None
+    for stop in stops:
+        start = text.find(stop, max(0, len(text) - new_chars - len(stop) + 1))
+        if start >= 0 and (found is None or start < found[0]):
+            found = (start, stop)
+    return found
+
+
+@dataclass
+class Request:
+    request_id: int
+    prompt_token_ids: list[int]
+    seqs: list[Sequence]                  # its n completions
+    detokenizers: list[Detokenizer] | None  # one per completion; None without a tokenizer
+
+    @property
+    def finished(self) -> bool:
+        return all(seq.status == Status.FINISHED for seq in self.seqs)
+
+    def update_text(self, seq: Sequence) -> str | None:
+        """Detokenize the completion's new tokens; the stop string they complete, if any."""
+        if self.detokenizers is None:
+            return None
+        detokenizer = self.detokenizers[self.seqs.index(seq)]
+        tokens = output_token_ids(seq)
+        piece = detokenizer.feed(tokens[detokenizer.num_fed:])
+        params = seq.params
+        if not params.stop or not piece or len(tokens) < params.min_tokens:
+            return None
+        found = find_stop(detokenizer.text, len(piece), params.stop)
+        if found is None:
+            return None
+        start, stop = found
+        detokenizer.text = detokenizer.text[:start + len(stop) * params.include_stop_str_in_output]
+        return stop
+
+    def completion(self, i: int) -> dict:
+        seq = self.seqs[i]
+        text = None
+        if self.detokenizers is not None:
+            text = self.detokenizers[i].text
+            if seq.status != Status.FINISHED and seq.params.stop:  # hold back a possible stop's start
+                text = text[:max(0, len(text) - max(map(len, seq.params.stop)) + 1)]
+        return {"text": text,
+                "token_ids": output_token_ids(seq),
+                "finish_reason": seq.finish_reason,
+                "stop_reason": seq.stop_reason,
+                "logprobs": seq.logprobs,
+                "cumulative_logprob": None if seq.logprobs is None else seq.cumulative_logprob}
+
+    def result(self) -> dict:
+        """generate's dict: the first completion's keys at the top level, all n in `outputs`."""
+        outputs = [self.completion(i) for i in range(len(self.seqs))]
+        return {**outputs[0], "outputs": outputs}
+
+    def step_output(self) -> dict:
+        """step()'s dict: the result so far, which request, whether it is finished."""
+        return {"request_id": self.request_id,
+                "prompt_token_ids": self.prompt_token_ids,
+                **self.result(),
+                "finished": self.finished}
+
+
+def output_token_ids(seq: Sequence) -> list[int]:
+    """The completion's tokens the host has: without placeholders for tokens still in flight."""
+    tokens = seq.completion_token_ids
+    while tokens and tokens[-1] < 0:
+        tokens.pop()
+    return tokens
