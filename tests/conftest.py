@@ -98,3 +98,40 @@ def hf_greedy(model_dir: str, prompts: list[list[int]], max_tokens: int) -> list
                              eos_token_id=None, pad_token_id=0, min_new_tokens=max_tokens)
         outs.append(out[0, len(prompt):].tolist())
     return outs
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def save_tokenizer(path) -> None:
+    """A real byte-level BPE tokenizer over the tiny models' 320 ids (trained here on a small
+    corpus: multi-byte characters, words split across tokens), with a chat template; ids 0 / 1
+    are BOS / EOS, as in the tiny configs."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    corpus = ["def parse(line):\n    return line.split()\n\n", "the quick brown fox jumps over the lazy dog. ",
+              "Hello, world! héllo wörld ✓ 日本語\n"] * 50
+    tok.train_from_iterator(corpus, trainer)
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>",
+                            chat_template=CHAT_TEMPLATE).save_pretrained(path)
+
+
+@pytest.fixture(scope="session")
+def text_model(tmp_path_factory):
+    """Factory: text_model("qwen3") -> a tiny checkpoint with a tokenizer and a chat template."""
+    cache = {}
+
+    def make(family: str = "qwen3") -> str:
+        if family not in cache:
+            path = tmp_path_factory.mktemp(f"{family}-text")
+            save_tiny_model(path, family)
+            save_tokenizer(path)
+            cache[family] = str(path)
+        return cache[family]
+    return make
