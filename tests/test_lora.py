@@ -40,9 +40,11 @@ def test_mixed_batch_matches_peft(tiny_model, adapters, family):
     expected = [peft_greedy(path, r, p, GREEDY.max_tokens) for r, p in zip(loras, prompts)]
     base = hf_greedy(path, prompts, GREEDY.max_tokens)
     assert all(e != b for e, b, r in zip(expected, base, loras) if r is not None)  # the adapters matter
-    llm = LLM(path, kvcache_block_size=16, enable_lora=True, max_loras=3, max_lora_rank=16)
+    # prompts in chunks of 32 tokens beside the decodes (mixed steps, adapters on both parts)
+    llm = LLM(path, kvcache_block_size=16, enable_lora=True, max_loras=3, max_lora_rank=16, max_num_batched_tokens=32)
     outs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)
     assert [o["token_ids"] for o in outs] == expected
+    assert llm.stats()["steps"]["mixed"] > 0
     assert_all_blocks_free(llm)
 
 

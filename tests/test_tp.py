@@ -66,10 +66,13 @@ def test_tp2_with_prefix_caching_and_preemption(tiny_model):
     shared = random_prompts([40], seed=7)[0]
     prompts = [shared + t for t in random_prompts([3, 9, 14, 20, 6], seed=8)]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    # ~5 x 85 tokens need ~30 blocks of 16; 14 force preemption; the 2nd call hits the prefix cache
-    (one, s1), (two, s2) = greedy_tokens(tiny_model("qwen2"), prompts, params, generations=2, num_kvcache_blocks=14)
+    # ~5 x 85 tokens need ~30 blocks of 16; 14 force preemption; the 2nd call hits the prefix cache;
+    # prompts in chunks of 32 tokens, beside the decodes (mixed steps)
+    (one, s1), (two, s2) = greedy_tokens(tiny_model("qwen2"), prompts, params, generations=2, num_kvcache_blocks=14,
+                                         max_num_batched_tokens=32)
     assert two == one and two[0] == two[1]
-    assert s2["preemptions"] == s1["preemptions"] > 0
+    assert s2["preemptions"] == s1["preemptions"] > 0 and s2["steps"] == s1["steps"]
+    assert s2["steps"]["mixed"] > 0
     assert s2["prefix_cache_hit_tokens"] == s1["prefix_cache_hit_tokens"] > 0
 
 
@@ -82,11 +85,13 @@ def test_tp2_with_overlap_matches_tp1_without(tiny_model, device):
     outs = []
     for tp, overlap in ((1, False), (2, True)):
         with LLM(path, tensor_parallel_size=tp, kvcache_block_size=16, device=device, overlap_scheduling=overlap,
-                 dtype="float32", cuda_graph_sizes=[1, 2, 4, 8]) as llm:
+                 dtype="float32", cuda_graph_sizes=[1, 2, 4, 8], max_num_batched_tokens=64) as llm:
             llm.eos_ids = frozenset({eos})
             outs.append([o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)])
-            discarded = llm.stats()["overlap_discarded_tokens"]
-    assert outs[1] == outs[0] and discarded > 0
+            stats = llm.stats()
+    assert outs[1] == outs[0] and stats["overlap_discarded_tokens"] > 0 and stats["steps"]["mixed"] > 0
+    if device == "cuda":  # the mixed steps replay mixed graphs on both ranks
+        assert stats["mixed_graph_replays"] > 0
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -99,8 +104,9 @@ def test_tp2_lora_matches_tp1(tiny_model, adapters, device):
     outs = []
     for tp in (1, 2):
         with LLM(path, tensor_parallel_size=tp, kvcache_block_size=16, device=device, enable_lora=True, max_loras=2,
-                 max_lora_rank=16, dtype="float32", cuda_graph_sizes=[1, 2, 4, 8]) as llm:
+                 max_lora_rank=16, dtype="float32", cuda_graph_sizes=[1, 2, 4, 8], max_num_batched_tokens=24) as llm:
             outs.append([o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)])
+            assert llm.stats()["steps"]["mixed"] > 0
     assert outs[1] == outs[0]
 
 

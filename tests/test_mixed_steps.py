@@ -1,0 +1,152 @@
+"""Mixed steps and the engine step API: decoding sequences get a token every step while other
+prompts prefill in chunks; requests added at any time get HF's tokens; abort frees at once; one
+driving thread; bad requests are ValueErrors that harm no one else (CPU, float32)."""
+import threading
+
+import pytest
+
+from conftest import hf_greedy
+from nanograph import LLM, SamplingParams
+from test_engine import assert_all_blocks_free, random_prompts
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def run_until_done(llm: LLM, outputs: dict | None = None) -> dict:
+    """Step until every request finished; the last output of each request by id."""
+    outputs = {} if outputs is None else outputs
+    while llm.has_unfinished_requests():
+        for out in llm.step():
+            outputs[out["request_id"]] = out
+    return outputs
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_decoding_request_gets_one_token_every_step_while_prompts_prefill(tiny_model, overlap):
+    llm = LLM(tiny_model("llama"), kvcache_block_size=16, max_num_batched_tokens=64, max_num_mixed_tokens=24,
+              overlap_scheduling=overlap)
+    short, long_a, long_b = random_prompts([5, 150, 90], seed=1)
+    first = llm.add_request(short, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    while not (outs := [o for o in llm.step() if o["request_id"] == first]):
+        pass
+    counts = [len(outs[0]["token_ids"])]
+    ids = [llm.add_request(long_a, GREEDY), llm.add_request(long_b, GREEDY)]
+    outputs = {}
+    for _ in range(30):
+        got = {o["request_id"]: o for o in llm.step()}
+        counts.append(len(got[first]["token_ids"]))  # it is in every step's outputs
+        outputs.update(got)
+    # one token a step, while 240 prompt tokens went through in chunks of at most 24 - 1 tokens
+    assert counts == list(range(counts[0], counts[0] + len(counts)))
+    assert llm.stats()["steps"]["mixed"] >= 240 // 23
+    run_until_done(llm, outputs)
+    assert [outputs[i]["token_ids"] for i in ids] == hf_greedy(tiny_model("llama"), [long_a, long_b], 12)
+    assert_all_blocks_free(llm)
+
+
+def test_requests_added_while_others_run_match_hf(tiny_model):
+    path = tiny_model("qwen3")
+    prompts = random_prompts([7, 60, 33, 3, 45, 20], seed=2)
+    llm = LLM(path, kvcache_block_size=16, max_num_mixed_tokens=32)
+    ids, outputs, step = [], {}, 0
+    for prompt in prompts:  # one new request every third step
+        ids.append(llm.add_request(prompt, GREEDY))
+        for _ in range(3):
+            outputs.update({o["request_id"]: o for o in llm.step()})
+    run_until_done(llm, outputs)
+    assert [outputs[i]["token_ids"] for i in ids] == hf_greedy(path, prompts, GREEDY.max_tokens)
+    assert all(outputs[i]["finished"] and outputs[i]["finish_reason"] == "length" for i in ids)
+    assert llm.stats()["steps"]["mixed"] > 0
+    assert_all_blocks_free(llm)
+
+
+def test_seeded_sampling_does_not_depend_on_when_the_request_arrived(tiny_model):
+    path = tiny_model("qwen2")
+    target = random_prompts([25], seed=3)[0]
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=42, max_tokens=20, ignore_eos=True)
+    alone = LLM(path, kvcache_block_size=16).generate([target], params, use_tqdm=False)[0]["token_ids"]
+    llm = LLM(path, kvcache_block_size=16, max_num_mixed_tokens=16)
+    for prompt in random_prompts([30, 50], seed=4):
+        llm.add_request(prompt, SamplingParams(temperature=0.7, max_tokens=30, ignore_eos=True))
+    for _ in range(5):
+        llm.step()
+    late = llm.add_request(target, params)  # arrives mid-run, prefilled in chunks beside decodes
+    assert run_until_done(llm)[late]["token_ids"] == alone
+
+
+def test_abort_frees_the_blocks_at_once(tiny_model):
+    # 6 blocks of 16: a 50-token prompt with 40 new tokens needs all of them
+    llm = LLM(tiny_model("qwen3"), kvcache_block_size=16, num_kvcache_blocks=6)
+    prompt, other = random_prompts([50, 50], seed=5)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    doomed = llm.add_request(prompt, params)
+    for _ in range(3):
+        llm.step()
+    assert llm.block_manager.num_free_blocks < 6
+    llm.abort_request(doomed)
+    assert llm.block_manager.num_free_blocks == 6  # at once, before any step
+    survivor = llm.add_request(other, params)
+    outputs = run_until_done(llm)
+    assert outputs[doomed]["finish_reason"] == "abort" and outputs[doomed]["finished"]
+    assert outputs[survivor]["token_ids"] == hf_greedy(tiny_model("qwen3"), [other], 40)[0]
+    assert llm.stats()["preemptions"] == 0
+    llm.abort_request(doomed)  # finished or unknown: nothing happens
+    assert_all_blocks_free(llm)
+
+
+def test_a_second_thread_gets_a_clear_error(tiny_model):
+    llm = LLM(tiny_model("qwen3"), kvcache_block_size=16)
+    inside, release, errors = threading.Event(), threading.Event(), []
+    step = llm.runner.launch
+
+    def slow_launch(batch):
+        inside.set()
+        release.wait(10)
+        return step(batch)
+    llm.runner.launch = slow_launch
+    first = threading.Thread(target=llm.generate, args=([[5, 6, 7]], GREEDY), kwargs=dict(use_tqdm=False))
+    first.start()
+    inside.wait(10)
+    for call in (lambda: llm.generate([[1, 2]], GREEDY, use_tqdm=False), llm.step,
+                 lambda: llm.add_request([1, 2])):
+        with pytest.raises(RuntimeError, match="another thread"):
+            call()
+    release.set()
+    first.join()
+    llm.runner.launch = step
+    assert llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0]["token_ids"] == hf_greedy(
+        tiny_model("qwen3"), [[5, 6, 7]], 12)[0]
+
+
+@pytest.mark.parametrize("prompt, params, message", [
+    ([], None, "empty prompt"),
+    ([1, 999], None, "token id 999 is outside the vocabulary"),
+    ([1] * 300, None, "max_model_len=256 leaves no room"),
+    ("text", None, "has no tokenizer"),
+    ([1, 2], "greedy", "must be a SamplingParams"),
+    ([1, 2], SamplingParams(stop_token_ids=[400]), "stop_token_ids"),
+    ([1, 2], SamplingParams(n=9), "n=9 completions but max_num_seqs=8"),
+    ([1, 2], SamplingParams(stop=["x"]), "stop strings need a tokenizer"),
+    ([1] * 100, SamplingParams(max_tokens=200), "could never run"),
+])
+def test_bad_requests_through_add_request(tiny_model, prompt, params, message):
+    llm = LLM(tiny_model("qwen3"), kvcache_block_size=16, num_kvcache_blocks=8, max_model_len=256, max_num_seqs=8)
+    good = llm.add_request([5, 6, 7], GREEDY)
+    llm.step()
+    with pytest.raises(ValueError, match=message):
+        llm.add_request(prompt, params)
+    outputs = run_until_done(llm)
+    assert list(outputs) == [good]
+    assert outputs[good]["token_ids"] == hf_greedy(tiny_model("qwen3"), [[5, 6, 7]], 12)[0]
+    assert_all_blocks_free(llm)
+
+
+def test_generate_refuses_while_step_api_requests_run(tiny_model):
+    llm = LLM(tiny_model("qwen3"), kvcache_block_size=16)
+    rid = llm.add_request([5, 6, 7], GREEDY)
+    with pytest.raises(RuntimeError, match="unfinished"):
+        llm.generate([[1, 2]], GREEDY, use_tqdm=False)
+    llm.abort_request(rid)
+    assert [o["finish_reason"] for o in llm.step()] == ["abort"]
+    assert not llm.has_unfinished_requests()
+    assert len(llm.generate([[1, 2]], GREEDY, use_tqdm=False)[0]["token_ids"]) == 12
