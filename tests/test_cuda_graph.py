@@ -5,9 +5,9 @@ import gc
 import pytest
 import torch
 
-from nanograph.engine.cuda_graph import (MIXED_PREFILL_CHUNKS, GraphStats, StepBuffers, bucket_ladder, find_bucket,
-                                         mixed_grid)
-from nanograph.engine.step import StepInput
+from nanograph.engine.cuda_graph import (MIXED_PREFILL_CHUNKS, GraphStats, bucket_ladder, decode_shape, find_bucket,
+                                         mixed_grid, mixed_shape)
+from nanograph.engine.step import StepBuffers, StepInput
 
 
 def test_ladder():
@@ -40,7 +40,7 @@ def test_buffers_fill_live_rows_and_pad_the_rest():
     assert not buf.dev["context_lens"].any()
     step = decode_step([11, 12, 13], [5, 40, 7], [21, 99, 103], [6, 41, 8],
                        [[1, -1, -1], [2, 3, 4], [6, -1, -1]], [0.5, 0.0, 1.25], [7, 8, 9])
-    buf.fill(step, d=4, p=0)
+    buf.fill(step, decode_shape(4))
     dev = buf.dev
     assert dev["temperatures"][:4].tolist() == [0.5, 0.0, 1.25, 0.0] and dev["seeds"][:4].tolist() == [7, 8, 9, 0]
     assert dev["input_ids"][:4].tolist() == [11, 12, 13, 0]
@@ -51,7 +51,7 @@ def test_buffers_fill_live_rows_and_pad_the_rest():
     assert dev["block_tables"][1, :3].tolist() == [2, 3, 4] and dev["block_tables"][2, 0] == 6
     # a smaller batch later re-pads rows a bigger one had used
     for _ in range(2):  # both host mirrors
-        buf.fill(decode_step([9], [3], [50], [4], [[7]], [1.0], [5]), d=2, p=0)
+        buf.fill(decode_step([9], [3], [50], [4], [[7]], [1.0], [5]), decode_shape(2))
         assert dev["slot_mapping"][:2].tolist() == [50, -1] and dev["context_lens"][:2].tolist() == [4, 0]
         assert dev["input_ids"][:2].tolist() == [9, 0]
 
@@ -59,18 +59,18 @@ def test_buffers_fill_live_rows_and_pad_the_rest():
 def test_buffers_mixed_layout():
     """Graph (d=2, p=4): decode rows at 0, the prefill part at d, each padded; sampling rows in the
     step's order, each pointing at its token in the graph's layout."""
-    buf = StepBuffers(max_tokens=64 + 8, max_seqs=8 + MIXED_PREFILL_CHUNKS, max_blocks=4, device="cpu")
+    buf = StepBuffers(max_tokens=8, max_seqs=2 + MIXED_PREFILL_CHUNKS, max_blocks=4, device="cpu")
     # one decode row (token 11), then a chunk of 3 tokens (21-23) that completes its prompt
     step = StepInput(num_decodes=1, input_ids=[11, 21, 22, 23], positions=[9, 4, 5, 6], slot_mapping=[40, 4, 5, 6],
                      context_lens=[10, 7], block_tables=[[2, 3], [0, -1]], cu_seqlens_q=[0, 1, 4],
                      sample_indices=[0, 3], sample_lens=[10, 7], temperatures=[0.0, 1.0], seeds=[1, 2])
-    buf.fill(step, d=2, p=4)
+    buf.fill(step, mixed_shape(2, 4))
     dev = buf.dev
     assert dev["input_ids"][:6].tolist() == [11, 0, 21, 22, 23, 0]
     assert dev["slot_mapping"][:6].tolist() == [40, -1, 4, 5, 6, -1]
     assert dev["context_lens"][:2 + MIXED_PREFILL_CHUNKS].tolist() == [10, 0, 7] + [0] * (MIXED_PREFILL_CHUNKS - 1)
     # chunk offsets within the prefill part; padded chunks have length 0
-    assert dev["cu_seqlens_q"].tolist() == [0, 3] + [3] * (MIXED_PREFILL_CHUNKS - 1)
+    assert dev["cu_seqlens_q"][:MIXED_PREFILL_CHUNKS + 1].tolist() == [0, 3] + [3] * (MIXED_PREFILL_CHUNKS - 1)
     assert dev["sample_indices"][:3].tolist() == [0, 4, 0]   # row 1: the chunk's last token, at d + 2
     assert dev["block_tables"][0, :2].tolist() == [2, 3] and dev["block_tables"][2, 0] == 0
     assert dev["temperatures"][:3].tolist() == [0.0, 1.0, 0.0]
@@ -91,9 +91,9 @@ def test_mixed_grid_stays_within_the_budget():
 def test_stats_arithmetic():
     stats = GraphStats()
     for bucket, rank, rows in ((8, 0, 5), (8, 16, 8), (4, 0, 3), (1, 8, 1)):
-        stats.replays[bucket, 0, rank] += 1
+        stats.replays[decode_shape(bucket, rank)] += 1
         stats.real_rows += rows
-    stats.replays[4, 64, 0] += 2
+    stats.replays[mixed_shape(4, 64)] += 2
     stats.real_tokens += 50 + 60
     stats.eager["decode"] = 1
     stats.eager["mixed"] = 2

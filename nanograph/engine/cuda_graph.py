@@ -56,10 +56,8 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from nanograph.engine.step import StepInput, TokenTable
+from nanograph.engine.step import StepInput, StepShape
 from nanograph.layers.lora_slots import rank_buckets
-from nanograph.layers.sampler import sample_softmax
-from nanograph.utils.context import StepMetadata, set_step_metadata
 
 log = logging.getLogger("nanograph")
 
@@ -94,133 +92,56 @@ def mixed_grid(decode_ladder: list[int], budget: int) -> list[tuple[int, int]]:
     return grid
 
 
-class StepBuffers:
-    """The static inputs of every graph, as views into one flat int32 device tensor, filled from
-    a pinned host mirror (numpy views for cheap filling) with one non-blocking copy per step.
+def decode_shape(d: int, rank: int = 0) -> StepShape:
+    return StepShape(decodes=d, rows=d, lora_rank=rank)
 
-    Layout of a graph (d, p): tokens [0, d) are the decode rows and [d, d + p) the prefill
-    part; sequences [0, d) the decode rows and [d, d + chunks) the chunks; the sampling rows are
-    the step's own, in order, padded to d + chunks. There are two mirrors, used in turn: with
-    overlap scheduling the host fills step N+1 while step N's copy may not have run yet; step
-    N-1, which used the other mirror, has been collected by then, so that mirror is free."""
 
-    # field -> (what it is per, its value in padding): token 0 at position 0, no cache slot, no
-    # context, no adapter, greedy; a padded chunk ends where the last real one does (below)
-    FIELDS = {"input_ids": ("token", 0), "positions": ("token", 0), "slot_mapping": ("token", -1),
-              "lora_slots": ("token", -1), "context_lens": ("seq", 0), "sample_indices": ("row", 0),
-              "sample_lens": ("row", 0), "temperatures": ("row", 0), "seeds": ("row", 0),
-              "cu_seqlens_q": ("chunk", 0)}
-
-    def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, device):
-        self.max_blocks = max_blocks
-        self.lengths = {"token": max_tokens, "seq": max_seqs, "row": max_seqs,
-                        "chunk": MIXED_PREFILL_CHUNKS + 1}
-        self.table_start = sum(self.lengths[per] for per, _ in self.FIELDS.values())
-        size = self.table_start + max_seqs * max_blocks
-        self.device_flat = torch.zeros(size, dtype=torch.int32, device=device)
-        pin = torch.device(device).type == "cuda"
-        self.host_flats = [torch.zeros(size, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
-        self.hosts = [{name: view.numpy() for name, view in self._views(flat).items()}
-                      for flat in self.host_flats]
-        self.dev = self._views(self.device_flat)
-        self.turn = 0
-        for name, (_, pad) in self.FIELDS.items():  # what the captures run on: all rows padding
-            self.dev[name].fill_(pad)
-
-    def _views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        views, start = {}, 0
-        for name, (per, _) in self.FIELDS.items():
-            views[name] = flat[start:start + self.lengths[per]]
-            start += self.lengths[per]
-        views["temperatures"] = views["temperatures"].view(torch.float32)
-        views["block_tables"] = flat[self.table_start:].view(-1, self.max_blocks)
-        return views
-
-    def fill(self, step: StepInput, d: int, p: int) -> None:
-        """Copy `step` into the layout of graph (d, p), padding what it does not fill."""
-        host, flat = self.hosts[self.turn], self.host_flats[self.turn]
-        self.turn ^= 1
-        n = step.num_decodes
-        chunks = MIXED_PREFILL_CHUNKS if p else 0
-        extent = {"token": p, "seq": chunks}
-        values = {  # per sequence in decode = per token; a mixed graph has no adapters
-            "lora_slots": step.lora_slots or [-1] * len(step.input_ids),
-            "sample_indices": [i if i < n else i - n + d for i in step.sample_indices]}
-        for name, (per, pad) in self.FIELDS.items():
-            live = values[name] if name in values else getattr(step, name)
-            view = host[name]
-            if per == "row":
-                view[:len(live)] = live
-                view[len(live):d + chunks] = pad
-            elif per != "chunk":  # the decode part at 0, the prefill part at d
-                view[:n] = live[:n]
-                view[n:d] = pad
-                rest = live[n:]
-                view[d:d + len(rest)] = rest
-                view[d + len(rest):d + extent[per]] = pad
-        if p:  # the chunks' offsets within the prefill part; padded ones have length 0
-            offsets = [offset - n for offset in step.cu_seqlens_q[n:]]
-            host["cu_seqlens_q"][:len(offsets)] = offsets
-            host["cu_seqlens_q"][len(offsets):chunks + 1] = offsets[-1]
-        width = len(step.block_tables[0])
-        host["block_tables"][:n, :width] = step.block_tables[:n]
-        if p:
-            host["block_tables"][d:d + len(step.block_tables) - n, :width] = step.block_tables[n:]
-        end = self.table_start + (d + chunks) * self.max_blocks
-        self.device_flat[:end].copy_(flat[:end], non_blocking=True)
+def mixed_shape(d: int, p: int) -> StepShape:
+    chunks = MIXED_PREFILL_CHUNKS
+    return StepShape(decodes=d, prefill_tokens=p, chunks=chunks, rows=d + chunks, max_chunk=p)
 
 
 @dataclass
 class GraphStats:
     """What the graphs did, step by step: measured, not assumed. Counters only, so that the
     figures of one call are the difference of two snapshots (bench.py)."""
-    replays: Counter = field(default_factory=Counter)  # (decode rows, prefill tokens, rank) -> replays
+    replays: Counter = field(default_factory=Counter)  # StepShape -> replays
     eager: Counter = field(default_factory=Counter)    # "decode" / "mixed" / "prefill" -> steps
     real_rows: int = 0      # decode rows of real sequences over all decode replays
     real_tokens: int = 0    # tokens of real sequences over all mixed replays
 
     def as_dict(self) -> dict:
-        decode = Counter()
-        mixed = Counter()
-        for (d, p, _), n in self.replays.items():
-            (mixed if p else decode)[d + p] += n
-        decode_replays, mixed_replays = decode.total(), mixed.total()
-        padded_rows = sum(b * n for b, n in decode.items()) - self.real_rows
-        padded_tokens = sum(t * n for t, n in mixed.items()) - self.real_tokens
-        lora = {f"{d}x{r}": n for (d, p, r), n in sorted(self.replays.items()) if r}
-        return {"decode_steps": decode_replays + self.eager["decode"],
-                "graph_replays": decode_replays,
-                "graph_hit_rate": decode_replays / max(1, decode_replays + self.eager["decode"]),
-                "padding_waste": padded_rows / max(1, self.real_rows),
+        decode, mixed = Counter(), Counter()
+        for shape, n in self.replays.items():
+            (mixed if shape.prefill_tokens else decode)[shape.tokens] += n
+        lora = {f"{s.decodes}x{s.lora_rank}": n for s, n in self.replays.items() if s.lora_rank}
+        figures = {}
+        for kind, replays, real in (("decode", decode, self.real_rows), ("mixed", mixed, self.real_tokens)):
+            prefix = "" if kind == "decode" else "mixed_"
+            count = replays.total()
+            figures |= {f"{kind}_steps": count + self.eager[kind],
+                        f"{prefix}graph_replays": count,
+                        f"{prefix}graph_hit_rate": count / max(1, count + self.eager[kind]),
+                        f"{prefix}padding_waste": (sum(t * n for t, n in replays.items()) - real) / max(1, real)}
+        return {**figures,
                 "replays_per_bucket": dict(sorted(decode.items())),
-                "replays_per_lora_bucket": lora,
-                "mixed_steps": mixed_replays + self.eager["mixed"],
-                "mixed_graph_replays": mixed_replays,
-                "mixed_graph_hit_rate": mixed_replays / max(1, mixed_replays + self.eager["mixed"]),
-                "mixed_padding_waste": padded_tokens / max(1, self.real_tokens)}
+                "replays_per_lora_bucket": dict(sorted(lora.items()))}
 
 
 class CudaGraphRunner:
-    def __init__(self, model, config, device: torch.device, tokens: TokenTable):
-        self.model, self.tokens = model, tokens  # not the ModelRunner: no cycle keeping the cache alive
+    def __init__(self, config, forward):
+        """`forward(shape)`: the model runner's step on its static buffers (model_runner.py)."""
         max_bs = config.cuda_graph_max_bs or min(config.max_num_seqs, 512)
-        self.ladder = sorted(set(config.cuda_graph_sizes or bucket_ladder(max_bs)))
+        ladder = config.cuda_graph_sizes or bucket_ladder(max_bs)
+        # no decode batch is larger than max_num_seqs
+        self.ladder = sorted({bs for bs in ladder if bs <= config.max_num_seqs} or {config.max_num_seqs})
         self.ranks = [0] + (rank_buckets(config.max_lora_rank) if config.enable_lora else [])
         self.grid = []
         if config.attention_backend == "triton":
             self.grid = mixed_grid(self.ladder, config.max_num_mixed_tokens)
-        self.mixed_ladder = sorted({d for d, _ in self.grid})
-        max_rows = self.ladder[-1] + (MIXED_PREFILL_CHUNKS if self.grid else 0)
-        max_tokens = max([self.ladder[-1]] + [d + p for d, p in self.grid])
-        # every graph's outputs: logits [rows, vocab] and the ids sampled from them
-        vocab = config.hf_config.vocab_size
-        self.logits = torch.empty(max_rows, vocab, dtype=config.torch_dtype, device=device)
-        self.sampled = torch.zeros(max_rows, dtype=torch.int64, device=device)
         self.stats = GraphStats()
-        max_blocks = -(-config.max_model_len // config.kvcache_block_size)
-        self.buffers = StepBuffers(max_tokens, max_rows, max_blocks, device)
-        self.graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
-        self.capture()
+        self.graphs: dict[StepShape, torch.cuda.CUDAGraph] = {}
+        self.capture(forward)
 
     def stats_dict(self) -> dict:
         return {"cuda_graph_sizes": self.ladder,
@@ -231,55 +152,34 @@ class CudaGraphRunner:
                 "graph_memory_bytes": self.graph_memory_bytes,
                 **self.stats.as_dict()}
 
-    def forward(self, d: int, p: int, rank: int) -> None:
-        """The step of graph (d, p, rank) on the static buffers: logits, sampled ids, token table."""
-        dev = self.buffers.dev
-        tokens, rows = d + p, d + (MIXED_PREFILL_CHUNKS if p else 0)
-        md = StepMetadata(num_decodes=d,
-                          slot_mapping=dev["slot_mapping"][:tokens],
-                          context_lens=dev["context_lens"][:rows],
-                          block_tables=dev["block_tables"][:rows],
-                          lora_rank=rank,
-                          lora_slots=dev["lora_slots"][:tokens])
-        if p:
-            md.cu_seqlens_q, md.max_seqlen_q = dev["cu_seqlens_q"], p
-        set_step_metadata(md)
-        hidden = self.model(self.tokens.resolve(dev["input_ids"][:tokens]), dev["positions"][:tokens])
-        if p:  # a decode graph's rows are its tokens
-            hidden = hidden[dev["sample_indices"][:rows]]
-        self.logits[:rows] = self.model.compute_logits(hidden)
-        self.sampled[:rows] = sample_softmax(self.logits[:rows], dev["temperatures"][:rows],
-                                             dev["seeds"][:rows], dev["sample_lens"][:rows])
-        self.tokens.put(self.sampled[:rows])
-
     @torch.inference_mode()
-    def capture(self) -> None:
+    def capture(self, forward) -> None:
         start, pool = time.perf_counter(), torch.cuda.graph_pool_handle()
         torch.cuda.synchronize()
         reserved, allocated = torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
         reserved_before = reserved
-        keys = [(d, 0, rank) for d in self.ladder for rank in self.ranks]
-        keys += [(d, p, 0) for d, p in self.grid]
-        keys.sort(key=lambda key: (key[0] + key[1], key), reverse=True)  # largest first
-        for i, key in enumerate(tqdm(keys, desc="Capturing CUDA graphs", leave=False)):
-            self.forward(*key)  # warm-up: compile, autotune, allocate workspaces outside the graph
+        shapes = [decode_shape(d, rank) for d in self.ladder for rank in self.ranks]
+        shapes += [mixed_shape(d, p) for d, p in self.grid]
+        shapes.sort(key=lambda s: (s.tokens, s.decodes, s.lora_rank), reverse=True)  # largest first
+        for i, shape in enumerate(tqdm(shapes, desc="Capturing CUDA graphs", leave=False)):
+            forward(shape)  # warm-up: compile, autotune, allocate workspaces outside the graph
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             # thread_local: other threads (NCCL's watchdog polls its events) may keep calling CUDA
             with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                self.forward(*key)
-            self.graphs[key] = graph
+                forward(shape)
+            self.graphs[shape] = graph
             now_reserved, now_allocated = torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
-            log.debug("graph %d/%d (%d decode rows + %d prefill tokens, rank %d): pool reserved "
-                      "%.1f MiB (+%.1f), allocated %.1f MiB (+%.1f)", i + 1, len(keys), *key,
-                      now_reserved / 2**20, (now_reserved - reserved) / 2**20,
-                      now_allocated / 2**20, (now_allocated - allocated) / 2**20)
+            log.debug("graph %d/%d: %d decode rows + %d prefill tokens, LoRA rank %d | pool reserved "
+                      "%.1f MiB (+%.1f), allocated %.1f MiB (+%.1f)", i + 1, len(shapes), shape.decodes,
+                      shape.prefill_tokens, shape.lora_rank, now_reserved / 2**20,
+                      (now_reserved - reserved) / 2**20, now_allocated / 2**20,
+                      (now_allocated - allocated) / 2**20)
             reserved, allocated = now_reserved, now_allocated
         torch.cuda.synchronize()
-        set_step_metadata(None)
         self.capture_seconds = time.perf_counter() - start
         self.graph_memory_bytes = torch.cuda.memory_reserved() - reserved_before
-        log.info("captured %d CUDA graphs (%d mixed) in %.1f s, %.1f MiB", len(keys), len(self.grid),
+        log.info("captured %d CUDA graphs (%d mixed) in %.1f s, %.1f MiB", len(shapes), len(self.grid),
                  self.capture_seconds, self.graph_memory_bytes / 2**20)
 
     def close(self) -> None:
@@ -288,36 +188,26 @@ class CudaGraphRunner:
         reach zero: a graph left alive makes the tensor-parallel shutdown hang."""
         self.graphs.clear()
 
-    def graph_for(self, step: StepInput) -> tuple[int, int, int] | None:
-        """The smallest graph that holds `step`, or None."""
-        n = step.num_decodes
-        prefill_tokens = len(step.input_ids) - n
-        if prefill_tokens == 0:
+    def lookup(self, step: StepInput) -> StepShape | None:
+        """The shape of the smallest graph that holds `step`; None (counted) when it runs eager."""
+        n, prefill_tokens = step.num_decodes, len(step.input_ids) - step.num_decodes
+        shape = None
+        if prefill_tokens == 0 and (d := find_bucket(self.ladder, n)) is not None:
+            shape = decode_shape(d, step.lora_rank)
+        elif n and not step.lora_rank and len(step.context_lens) - n <= MIXED_PREFILL_CHUNKS:
             d = find_bucket(self.ladder, n)
-            return None if d is None else (d, 0, step.lora_rank)
-        chunks = len(step.context_lens) - n
-        if n == 0 or step.lora_rank or chunks > MIXED_PREFILL_CHUNKS:
-            return None
-        d = find_bucket(self.mixed_ladder, n)
-        p = find_bucket([p for dd, p in self.grid if dd == d], prefill_tokens)
-        if p is None or len(step.temperatures) > d + MIXED_PREFILL_CHUNKS:
-            return None
-        return d, p, 0
+            p = find_bucket([p for dd, p in self.grid if dd == d], prefill_tokens)
+            if p is not None and len(step.temperatures) <= d + MIXED_PREFILL_CHUNKS:
+                shape = mixed_shape(d, p)
+        if shape is None:
+            kind = "prefill" if n == 0 else "decode" if prefill_tokens == 0 else "mixed"
+            self.stats.eager[kind] += 1
+        return shape
 
-    def replay(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The step's logits and sampled ids from its graph; None (counted) when it runs eager."""
-        key = self.graph_for(step)
-        if key is None:
-            kind = "decode" if len(step.input_ids) == step.num_decodes else "mixed"
-            self.stats.eager["prefill" if step.num_decodes == 0 else kind] += 1
-            return None
-        d, p, _ = key
-        self.buffers.fill(step, d, p)
-        self.graphs[key].replay()
-        self.stats.replays[key] += 1
-        if p:
+    def replay(self, shape: StepShape, step: StepInput) -> None:
+        self.graphs[shape].replay()
+        self.stats.replays[shape] += 1
+        if shape.prefill_tokens:
             self.stats.real_tokens += len(step.input_ids)
         else:
             self.stats.real_rows += step.num_decodes
-        rows = len(step.temperatures)
-        return self.logits[:rows], self.sampled[:rows]

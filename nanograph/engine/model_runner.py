@@ -1,14 +1,16 @@
 """ModelRunner: owns the model and the KV cache on one device, and runs one step at a time.
 
-A step goes: the scheduler's `Batch` -> `StepInput` (step.py) -> tensors on the device ->
-forward (eager, or a CUDA-graph replay for decode) -> logits of each sequence's last token ->
-sampled token ids. It is split in two halves so the host never waits inside a step:
-- `launch` queues all of that on the GPU and returns at once: the inputs go up with
-  non-blocking copies from pinned memory, the sampled ids stay on the device (in the token
-  table, where the next step's placeholders are resolved, step.py) and start a non-blocking
-  copy back into a pinned host tensor, followed by an event. For a graph replay the sampler is
-  inside the graph; only a batch that uses top-k / top-p samples after it (layers/sampler.py).
-- `collect` waits for that event and returns the ids as a list.
+A step goes: the scheduler's `Batch` -> `StepInput` -> the static `StepBuffers` (step.py) ->
+`forward` on them, replayed from a CUDA graph where one holds the step (cuda_graph.py), else
+run eagerly with the step's exact shape: the same code either way -> logits of each sampling
+row's token -> sampled ids. It is split in two halves so the host never waits inside a step:
+- `launch` queues all of that on the GPU and returns at once: the inputs go up with one
+  non-blocking copy from pinned memory, the sampled ids stay on the device (in the token table,
+  where the next step's placeholders are resolved) and start a non-blocking copy back into a
+  pinned host tensor, followed by an event. The sampler runs inside `forward`; only a step with
+  a row that asks for top-k / top-p or a min_tokens mask samples again on the logits after it,
+  and only one that asks for logprobs computes them (layers/sampler.py).
+- `collect` waits for that event and returns the ids (and logprobs) as lists.
 Between the two the host is free: llm.py schedules and launches the next step there. Nothing in
 `launch` may synchronise with the GPU, or the overlap silently disappears: a `torch.tensor(list,
 device="cuda")` does (a pageable copy waits for the stream), hence `upload`.
@@ -27,9 +29,9 @@ import torch.distributed as dist
 from nanograph.config import Config
 from nanograph.engine.cuda_graph import MIXED_PREFILL_CHUNKS, CudaGraphRunner
 from nanograph.engine.scheduler import Batch
-from nanograph.engine.step import StepInput, TokenTable, build_step
+from nanograph.engine.step import StepBuffers, StepInput, StepShape, TokenTable, build_step
 from nanograph.layers.lora_slots import add_lora_buffers, load_adapter
-from nanograph.layers.sampler import sample, top_logprobs
+from nanograph.layers.sampler import sample, sample_softmax, top_logprobs
 from nanograph.models.decoder import DecoderForCausalLM
 from nanograph.utils.context import StepMetadata, set_step_metadata
 from nanograph.utils.loader import init_dummy_weights, load_weights
@@ -72,13 +74,18 @@ class ModelRunner:
         first = self.model.model.layers[0].self_attn
         # one cache block of one layer: [block_size, kv_heads on this rank, head_dim]
         self.kv_block_shape = (self.block_size, first.num_kv_heads, first.head_dim)
-        # a step's sampling rows: one per sequence, and a graph's padding
-        max_rows = max(config.max_num_seqs, config.cuda_graph_max_bs or 0, *(config.cuda_graph_sizes or []))
-        self.tokens = TokenTable(config.hf_config.vocab_size, max_rows + MIXED_PREFILL_CHUNKS, self.device)
-        self.graphs = None  # "no graphs" has one spelling: this stays None (forward runs before capture)
+        # the static step buffers and outputs, for the largest step: eager or a graph's (padded)
+        max_rows = config.max_num_seqs + MIXED_PREFILL_CHUNKS
+        max_blocks = -(-config.max_model_len // self.block_size)
+        self.buffers = StepBuffers(config.max_num_batched_tokens + max_rows, max_rows, max_blocks, self.device)
+        vocab = config.hf_config.vocab_size
+        self.logits = torch.empty(max_rows, vocab, dtype=config.torch_dtype, device=self.device)
+        self.sampled = torch.zeros(max_rows, dtype=torch.int64, device=self.device)
+        self.tokens = TokenTable(vocab, max_rows, self.device)
+        self.graphs = None  # "no graphs" has one spelling: this stays None (run works before capture)
         self.num_kv_blocks = self.allocate_kv_cache()
         if self.device.type == "cuda" and not config.enforce_eager and config.cuda_graph_max_bs != 0:
-            self.graphs = CudaGraphRunner(self.model, config, self.device, self.tokens)
+            self.graphs = CudaGraphRunner(config, self.forward)
 
     # ---- KV cache ------------------------------------------------------------------------
     def allocate_kv_cache(self) -> int:
@@ -127,7 +134,7 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
-        self.forward(step)
+        self.run(step)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before
         self.bind_kv_cache(0)
@@ -140,58 +147,61 @@ class ModelRunner:
         pinned = torch.tensor(data, dtype=dtype, pin_memory=self.device.type == "cuda")
         return pinned.to(self.device, non_blocking=True)
 
-    def step_metadata(self, step: StepInput) -> StepMetadata:
-        n = step.num_decodes
-        md = StepMetadata(num_decodes=n,
-                          slot_mapping=self.upload(step.slot_mapping, torch.int64),
-                          context_lens=self.upload(step.context_lens, torch.int32),
-                          block_tables=self.upload(step.block_tables, torch.int32))
-        if n < len(step.context_lens):  # the prefill part: its chunks' offsets start at 0
-            cu = [offset - n for offset in step.cu_seqlens_q[n:]]
-            md.cu_seqlens_q = self.upload(cu, torch.int32)
-            md.max_seqlen_q = max(b - a for a, b in zip(cu, cu[1:]))
-            md.host_cu_seqlens_q, md.host_context_lens = cu, step.context_lens[n:]
-        if step.lora_rank:  # each token takes its sequence's slot
-            cu = step.cu_seqlens_q
-            slots = [slot for slot, a, b in zip(step.lora_slots, cu, cu[1:]) for _ in range(a, b)]
-            md.lora_rank, md.lora_slots = step.lora_rank, self.upload(slots, torch.int32)
-        return md
+    def forward(self, shape: StepShape) -> None:
+        """The step laid out by `shape` in the static buffers: the model, then the logits and
+        sampled ids of its sampling rows (into `self.logits` / `self.sampled`, and the token
+        table). What a CUDA graph records and replays."""
+        dev = self.buffers.dev
+        tokens, seqs, rows = shape.tokens, shape.seqs, shape.rows
+        md = StepMetadata(num_decodes=shape.decodes,
+                          slot_mapping=dev["slot_mapping"][:tokens],
+                          context_lens=dev["context_lens"][:seqs],
+                          block_tables=dev["block_tables"][:seqs],
+                          lora_rank=shape.lora_rank,
+                          lora_slots=dev["lora_slots"][:tokens])
+        if shape.chunks:
+            md.cu_seqlens_q = dev["cu_seqlens_q"][:shape.chunks + 1]
+            md.max_seqlen_q = shape.max_chunk
+        set_step_metadata(md)
+        hidden = self.model(self.tokens.resolve(dev["input_ids"][:tokens]), dev["positions"][:tokens])
+        set_step_metadata(None)
+        if shape.prefill_tokens:  # only the tokens that sample go through the LM head
+            hidden = hidden[dev["sample_indices"][:rows]]
+        self.logits[:rows] = self.model.compute_logits(hidden)
+        self.sampled[:rows] = sample_softmax(self.logits[:rows], dev["temperatures"][:rows],
+                                             dev["seeds"][:rows], dev["sample_lens"][:rows])
+        self.tokens.put(self.sampled[:rows])
 
     @torch.inference_mode()
-    def forward(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor]:
         """The logits [rows, vocab] and sampled ids [rows] of the step's sampling rows; the ids
-        also go into the token table, for the next step's placeholders. Every tensor-parallel
-        rank runs this and samples the same ids."""
+        also go into the token table. Every tensor-parallel rank runs this and samples the same ids."""
         for slot, adapter in step.lora_loads:
             load_adapter(self.model, slot, adapter)
-        replayed = self.graphs.replay(step) if self.graphs is not None else None
-        logits, sampled = replayed if replayed is not None else (self.eager_logits(step), None)
-        if sampled is None or step.needs_logits:  # a graph samples without top-k/p and masks
-            sampled = self.sample(step, logits)
+        graph = self.graphs.lookup(step) if self.graphs is not None else None
+        shape = graph or step.exact_shape()
+        self.buffers.fill(step, shape)
+        if graph is not None:
+            self.graphs.replay(graph, step)
+        else:
+            self.forward(shape)
+        rows = len(step.temperatures)
+        logits, sampled = self.logits[:rows], self.sampled[:rows]
+        if step.top_ks is not None or step.banned_rows:  # the filters the forward leaves out
+            sampled = self.resample(step, logits)
         if step.copy_from:  # forks' copies of their parent's partial block, once it is computed
             src = self.upload(step.copy_from, torch.int64)
             self.kv_cache[:, :, self.upload(step.copy_to, torch.int64)] = self.kv_cache[:, :, src]
         return logits, sampled
 
-    def eager_logits(self, step: StepInput) -> torch.Tensor:
-        ids = self.tokens.resolve(self.upload(step.input_ids, torch.int64))
-        positions = self.upload(step.positions, torch.int64)
-        set_step_metadata(self.step_metadata(step))
-        hidden = self.model(ids, positions)
-        set_step_metadata(None)
-        return self.model.compute_logits(hidden[self.upload(step.sample_indices, torch.int64)])
-
-    def sample(self, step: StepInput, logits: torch.Tensor) -> torch.Tensor:
-        top = None
+    def resample(self, step: StepInput, logits: torch.Tensor) -> torch.Tensor:
+        dev, rows = self.buffers.dev, len(step.temperatures)
+        top = banned = None
         if step.top_ks is not None:
             top = (self.upload(step.top_ks, torch.int64), self.upload(step.top_ps, torch.float32))
-        banned = None
         if step.banned_rows:
             banned = (self.upload(step.banned_rows, torch.int64), self.upload(step.banned_ids, torch.int64))
-        sampled = sample(logits,
-                         temperatures=self.upload(step.temperatures, torch.float32),
-                         seeds=self.upload(step.seeds, torch.int64),
-                         lengths=self.upload(step.sample_lens, torch.int64),
+        sampled = sample(logits, dev["temperatures"][:rows], dev["seeds"][:rows], dev["sample_lens"][:rows],
                          top=top, banned=banned)
         self.tokens.put(sampled)
         return sampled
@@ -199,13 +209,13 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, batch: Batch) -> InFlight:
         step = build_step(batch, self.block_size)
-        logits, sampled = self.forward(step)
+        logits, sampled = self.run(step)
         logprobs = None
         if step.num_logprobs is not None:
             logprobs = top_logprobs(logits, sampled, max(step.num_logprobs))
             logprobs = tuple(t.to("cpu", non_blocking=True) for t in logprobs)
         # the sampled ids, from the GPU into pinned memory without waiting
-        tokens = sampled.to("cpu", non_blocking=True)
+        tokens = sampled.to("cpu", non_blocking=True, copy=True)  # (a view of the buffers on the CPU)
         done = torch.cuda.current_stream().record_event() if self.device.type == "cuda" else None
         return InFlight(batch, tokens, done, step.num_logprobs, logprobs)
 
@@ -230,5 +240,6 @@ class ModelRunner:
     def close(self) -> None:
         if self.graphs is not None:
             self.graphs.close()
-        self.graphs = self.model = self.kv_cache = self.attention_layers = self.tokens = None
+        self.graphs = self.model = self.kv_cache = self.attention_layers = None
+        self.tokens = self.buffers = self.logits = self.sampled = None
         torch.cuda.empty_cache()  # a no-op without CUDA

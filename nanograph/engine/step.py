@@ -1,18 +1,21 @@
-"""One step's inputs as plain data, and the one input that never leaves the device.
+"""One step on its way to the device, in the forms it takes there.
 
-`StepInput` is what a scheduled `Batch` (scheduler.py) becomes before it meets the device:
-plain lists of the tokens to compute, their positions and cache slots, each sequence's context
-length and block table, and how it samples (temperature, seed, top-k / top-p). Plain data on
-purpose: the single-GPU runner, the graph buffers, the tensor-parallel control message (tp.py),
-bench and the tests all read the same thing.
+    Batch (scheduler.py)      which sequences, how many tokens each, who samples
+      -> StepInput            the same as plain lists: tokens, sequences, sampling rows
+      -> StepBuffers          those lists in one flat int32 device tensor, laid out by a StepShape
+      -> StepMetadata         views of the buffers that attention and the linear layers read
+                              (utils/context.py)
 
-Token ids may be placeholders. With overlap scheduling a decode step is built before the host
-has the previous step's tokens, so a sequence's input token can be `-1 - r`: "whatever the
-previous step sampled in its row r". Those tokens are on the device already, in the runner's
-*token table*: `arange(vocab + rows)`, whose last entries are overwritten each step with the
-sampled ids, row r at index -1 - r. Every id then resolves with one gather, `table[ids]`: a
-real id indexes itself, a placeholder counts from the end. That gather is the first op of the
-forward (inside the CUDA graph for replays), so no step waits for the host.
+`StepInput` is plain data on purpose: the tensor-parallel workers receive it (tp.py), the bench
+and the tests build it by hand. `StepBuffers` are static: allocated once for the largest step,
+so that a CUDA graph can replay over them (cuda_graph.py); an eager step uses them too, laid out
+with its own exact shape, so there is one forward for both (model_runner.py).
+
+Token ids may be placeholders, `-1 - r`: "the token the previous step sampled in its row r",
+which the host does not know yet under overlap scheduling (docs/walkthrough.md, "Placeholders",
+has a worked example). They resolve on the device through the `TokenTable`, `arange(vocab +
+rows)` whose last entries hold the last step's sampled ids (row r at index -1 - r): every id,
+real or placeholder, is then one gather, `table[ids]`, the forward's first op.
 """
 from dataclasses import dataclass, field
 
@@ -27,14 +30,14 @@ class StepInput:
     prefill chunk), and sampling rows (a sequence whose step samples, plus one per fork)."""
     num_decodes: int = 0        # sequences [0, num_decodes) decode one token; the rest are chunks
     # per token, all sequences concatenated
-    input_ids: list[int] = field(default_factory=list)     # < 0: placeholder (see above)
+    input_ids: list[int] = field(default_factory=list)     # < 0: placeholder
     positions: list[int] = field(default_factory=list)
     slot_mapping: list[int] = field(default_factory=list)  # cache slot of each token
+    lora_slots: list[int] | None = None   # its adapter's slot, -1 = none; None: no adapters
     # per sequence
     context_lens: list[int] = field(default_factory=list)  # keys to attend (cached + new)
     block_tables: list[list[int]] = field(default_factory=list)  # as wide as the widest, -1 past
     cu_seqlens_q: list[int] = field(default_factory=lambda: [0])  # offsets into the tokens
-    lora_slots: list[int] | None = None   # its adapter's slot, -1 = none; None: no adapters
     # per sampling row
     sample_indices: list[int] = field(default_factory=list)  # the token whose logits it samples
     sample_lens: list[int] = field(default_factory=list)     # that token's index in its sequence + 1
@@ -51,17 +54,45 @@ class StepInput:
     lora_rank: int = 0                    # the step's LoRA rank bucket, 0 = no adapters
     lora_loads: list = field(default_factory=list)  # (slot, Adapter) to load first (scheduler.py)
 
+    def exact_shape(self) -> "StepShape":
+        """The shape that holds this step and nothing more (an eager step's)."""
+        n = self.num_decodes
+        cu = self.cu_seqlens_q[n:]
+        return StepShape(decodes=n,
+                         prefill_tokens=len(self.input_ids) - n,
+                         chunks=len(self.context_lens) - n,
+                         rows=len(self.temperatures),
+                         lora_rank=self.lora_rank,
+                         max_chunk=max((b - a for a, b in zip(cu, cu[1:])), default=0))
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """How a step lies in the buffers, and a CUDA graph's key: tokens [0, decodes) are the decode
+    rows and the next prefill_tokens the chunks; sequences [0, decodes) then the chunks; rows the
+    sampling rows. What a step does not fill is padding (cuda_graph.py)."""
+    decodes: int
+    prefill_tokens: int = 0
+    chunks: int = 0
+    rows: int = 0
+    lora_rank: int = 0
+    max_chunk: int = 0  # a bound on a chunk's length: it sizes the prefill kernel's grid
+
     @property
-    def needs_logits(self) -> bool:
-        """Whether some row's sampling needs the logits after the graph: top-k / top-p, a mask."""
-        return self.top_ks is not None or bool(self.banned_rows)
+    def tokens(self) -> int:
+        return self.decodes + self.prefill_tokens
+
+    @property
+    def seqs(self) -> int:
+        return self.decodes + self.chunks
 
 
 def build_step(batch: Batch, block_size: int) -> StepInput:
     step = StepInput(num_decodes=batch.num_decodes,
-                     lora_slots=batch.lora_slots,
                      lora_rank=batch.lora_rank,
                      lora_loads=batch.lora_loads)
+    if batch.lora_slots is not None:
+        step.lora_slots = [slot for slot, n in zip(batch.lora_slots, batch.num_tokens) for _ in range(n)]
     width = max(len(seq.block_table) for seq in batch.seqs)
     for seq, start, n in zip(batch.seqs, batch.starts, batch.num_tokens):
         end = start + n
@@ -91,12 +122,85 @@ def build_step(batch: Batch, block_size: int) -> StepInput:
     return step
 
 
+class StepBuffers:
+    """A step's inputs on the device, as views into one flat int32 tensor, filled from a pinned
+    host mirror (numpy views, cheap to fill) with one non-blocking copy.
+
+    There are two mirrors, used in turn: with overlap scheduling the host fills step N+1 while
+    step N's copy may not have run yet; step N-1, which used the other mirror, has been collected
+    by then, so that mirror is free."""
+
+    # field -> (what it is per, its value in padding): token 0 at position 0, no cache slot, no
+    # adapter, no context, greedy; a padded chunk has length 0 (it ends where the last real one does)
+    FIELDS = {"input_ids": ("token", 0), "positions": ("token", 0), "slot_mapping": ("token", -1),
+              "lora_slots": ("token", -1), "context_lens": ("seq", 0), "sample_indices": ("row", 0),
+              "sample_lens": ("row", 0), "temperatures": ("row", 0), "seeds": ("row", 0),
+              "cu_seqlens_q": ("chunk", None)}
+
+    def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, device):
+        self.max_blocks = max_blocks
+        self.lengths = {"token": max_tokens, "seq": max_seqs, "row": max_seqs, "chunk": max_seqs + 1}
+        self.table_start = sum(self.lengths[per] for per, _ in self.FIELDS.values())
+        size = self.table_start + max_seqs * max_blocks
+        self.device_flat = torch.zeros(size, dtype=torch.int32, device=device)
+        pin = torch.device(device).type == "cuda"
+        self.host_flats = [torch.zeros(size, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+        self.hosts = [{name: view.numpy() for name, view in self.views(flat).items()}
+                      for flat in self.host_flats]
+        self.dev = self.views(self.device_flat)
+        self.turn = 0
+        for name, (_, pad) in self.FIELDS.items():  # what the captures run on: all rows padding
+            self.dev[name].fill_(pad or 0)
+
+    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        views, start = {}, 0
+        for name, (per, _) in self.FIELDS.items():
+            views[name] = flat[start:start + self.lengths[per]]
+            start += self.lengths[per]
+        views["temperatures"] = views["temperatures"].view(torch.float32)
+        views["block_tables"] = flat[self.table_start:].view(-1, self.max_blocks)
+        return views
+
+    def fill(self, step: StepInput, shape: StepShape) -> None:
+        """Copy `step` into the layout of `shape`, padding what it does not fill."""
+        host, flat = self.hosts[self.turn], self.host_flats[self.turn]
+        self.turn ^= 1
+        n, d = step.num_decodes, shape.decodes
+        values = {"lora_slots": step.lora_slots or [-1] * len(step.input_ids),
+                  "sample_indices": [i if i < n else i - n + d for i in step.sample_indices]}
+        ends = {"token": shape.tokens, "seq": shape.seqs}
+        for name, (per, pad) in self.FIELDS.items():
+            live = values[name] if name in values else getattr(step, name)
+            view = host[name]
+            if per == "row":
+                view[:len(live)] = live
+                view[len(live):shape.rows] = pad
+            elif per != "chunk":  # the decode part at 0, the prefill part at d
+                rest = live[n:]
+                view[:n] = live[:n]
+                view[n:d] = pad
+                view[d:d + len(rest)] = rest
+                view[d + len(rest):ends[per]] = pad
+        if shape.chunks:  # the chunks' offsets within the prefill part
+            offsets = [offset - n for offset in step.cu_seqlens_q[n:]]
+            host["cu_seqlens_q"][:len(offsets)] = offsets
+            host["cu_seqlens_q"][len(offsets):shape.chunks + 1] = offsets[-1]
+        tables, width = step.block_tables, len(step.block_tables[0])
+        if n:
+            host["block_tables"][:n, :width] = tables[:n]
+        if len(tables) > n:
+            host["block_tables"][d:d + len(tables) - n, :width] = tables[n:]
+        end = self.table_start + shape.seqs * self.max_blocks
+        self.device_flat[:end].copy_(flat[:end], non_blocking=True)
+
+
 class TokenTable:
     """arange(vocab + max_rows): ids index themselves, placeholder -1 - r the last step's row r."""
 
     def __init__(self, vocab_size: int, max_rows: int, device):
         self.ids = torch.arange(vocab_size + max_rows, device=device)
-        self.rows = torch.arange(vocab_size + max_rows - 1, vocab_size - 1, -1, device=device)  # row r -> -1 - r
+        # row r -> index -1 - r
+        self.rows = torch.arange(vocab_size + max_rows - 1, vocab_size - 1, -1, device=device)
 
     def resolve(self, ids: torch.Tensor) -> torch.Tensor:
         return self.ids[ids]

@@ -128,7 +128,7 @@ def worker_main(config: Config, rank: int, port: int) -> None:
     runner = ModelRunner(config, rank)
     group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)  # for the per-step control messages
     while (step := receive_step(group)) is not None:
-        runner.forward(step)  # samples the same ids as rank 0
+        runner.run(step)  # samples the same ids as rank 0
     runner.close()  # its graphs hold references on the NCCL communicator: free them before it goes
     dist.destroy_process_group()
 
@@ -210,11 +210,11 @@ class TensorParallelRunner(ModelRunner):
         except BaseException as e:
             self.fail(e)
 
-    def forward(self, step: StepInput):
+    def run(self, step: StepInput):
         """Every rank runs `step`: send it (once the workers wait for steps), then compute rank 0's share."""
         if self.group_ref[0] is not None:
             send_step(step, self.group_ref[0])
-        return super().forward(step)
+        return super().run(step)
 
     def close(self) -> None:
         if getattr(self, "model", None) is not None:

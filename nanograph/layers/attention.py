@@ -48,14 +48,16 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
 
 def torch_prefill(q, k_cache, v_cache, md: StepMetadata, scale: float) -> torch.Tensor:
     out = torch.empty_like(q)
-    cu, tables = md.host_cu_seqlens_q, md.block_tables[md.num_decodes:]
-    for s, ctx in enumerate(md.host_context_lens):
+    n = md.num_decodes
+    tables = md.block_tables[n:]
+    cu = md.cu_seqlens_q.tolist()  # the oracle may wait for the device: it slices on the host
+    for s, ctx in enumerate(md.context_lens[n:].tolist()):
         k, v = (gather_kv(c, tables[s:s + 1])[0, :ctx].transpose(0, 1) for c in (k_cache, v_cache))
-        qs = q[cu[s]:cu[s + 1]].transpose(0, 1)  # [Hq, n, D]; k, v: [Hkv, ctx, D]
-        n = qs.shape[1]
-        # query i sits at position ctx - n + i and sees keys 0 .. ctx - n + i
+        qs = q[cu[s]:cu[s + 1]].transpose(0, 1)  # [Hq, q_len, D]; k, v: [Hkv, ctx, D]
+        q_len = qs.shape[1]
+        # query i sits at position ctx - q_len + i and sees keys 0 .. ctx - q_len + i
         keys = torch.arange(ctx, device=q.device)
-        mask = keys[None, :] <= torch.arange(ctx - n, ctx, device=q.device)[:, None]
+        mask = keys[None, :] <= torch.arange(ctx - q_len, ctx, device=q.device)[:, None]
         o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         out[cu[s]:cu[s + 1]] = o.transpose(0, 1)
     return out
@@ -90,7 +92,7 @@ def flash_attn_prefill(q, k_cache, v_cache, md: StepMetadata, scale: float) -> t
     n = md.num_decodes
     cu_k = F.pad(md.context_lens[n:].cumsum(0, dtype=torch.int32), (1, 0))
     return flash_attn_varlen_func(q, k_cache, v_cache, md.cu_seqlens_q, cu_k, md.max_seqlen_q,
-                                  max(md.host_context_lens), softmax_scale=scale, causal=True,
+                                  int(md.context_lens[n:].max()), softmax_scale=scale, causal=True,
                                   block_table=md.block_tables[n:])
 
 

@@ -25,8 +25,6 @@ class StepMetadata:
     # the prefill part (the chunks after the decode rows), when there is one
     cu_seqlens_q: torch.Tensor | None = None    # [chunks + 1] offsets within the prefill part
     max_seqlen_q: int = 0                       # a bound on a chunk's length (a graph's: static)
-    host_cu_seqlens_q: list[int] | None = None  # the same on the host, so that the torch
-    host_context_lens: list[int] | None = None  # backend can slice without syncing
     lora_rank: int = 0                          # rank bucket of the step's adapters, 0 = no LoRA
     lora_slots: torch.Tensor | None = None      # [num_tokens] int32 adapter slot of each token
     lora_fold: torch.Tensor | None = None       # a producer's folded h for the next LoRA layer
