@@ -61,7 +61,7 @@ def shape_list(text: str) -> list[str]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+    p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", type=shape_list, default=["qwen3-0.6b"],
                    help=f"model shape(s) with random weights, comma-separated, each running every "
