@@ -5,8 +5,11 @@ class with a fixed seed and saves it (float32 safetensors + config + generation 
 LoRA tests' PEFT adapters for those models are made here too, once per session.
 
 Without CUDA the Triton kernels run in Triton's interpreter (the `*_interpreter` tests of
-test_kernels.py); the variable must be set before triton is first imported, hence here.
+test_kernels.py); the variable must be set before triton is first imported, hence here. A test
+that needs triton carries the `triton` marker (a whole module: `pytestmark = pytest.mark.triton`)
+and is skipped, with the reason, where `import triton` fails.
 """
+import functools
 import os
 
 import pytest
@@ -15,6 +18,27 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, Qwen2Config, Qwen3Config
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "triton: needs triton (skipped where it does not import)")
+
+
+@functools.cache
+def triton_missing() -> str | None:
+    """Why `import triton` fails here, or None where it imports."""
+    try:
+        import triton  # noqa: F401
+    except ImportError as e:
+        return f"needs triton ({type(e).__name__}: {e})"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("triton") and triton_missing():
+            item.add_marker(pytest.mark.skip(reason=triton_missing()))
+
 
 COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
               max_position_embeddings=512, rms_norm_eps=1e-6, eos_token_id=1, bos_token_id=0)

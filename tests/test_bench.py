@@ -1,5 +1,5 @@
-"""bench.py: the reference workload is the one DESIGN.md names, its helpers compute what they say,
-and the quick run works end to end on the CPU."""
+"""bench.py and benchmarks/: the reference workload is nano-vllm's, the helpers compute what they
+say, and the quick run works end to end on the CPU."""
 import dataclasses
 import json
 import os
@@ -7,17 +7,21 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path.insert(0, ROOT)  # bench.py and benchmarks/ live at the repository root, not in the package
 
 import bench  # noqa: E402
+from benchmarks import checkpoint, compare, decode_sweep, harness, ladders, lora, peers  # noqa: E402
+from benchmarks import shapes, timing, workloads  # noqa: E402
+from benchmarks.report import RunResult  # noqa: E402
 
 
 def test_reference_workload_is_nano_vllm_s():
-    work = bench.reference_workload()
+    work = workloads.reference_workload()
     assert work.num_seqs == 256
-    assert work.output_tokens == bench.REFERENCE_OUTPUT_TOKENS == 133_966
+    assert work.output_tokens == workloads.REFERENCE_OUTPUT_TOKENS == 133_966
     assert all(100 <= len(p) <= 1024 for p in work.prompts)
     assert all(100 <= n <= 1024 for n in work.max_tokens)
     assert all(0 <= t <= 10000 for p in work.prompts for t in p)
@@ -31,30 +35,31 @@ def test_reference_workload_is_nano_vllm_s():
 
 
 def test_workload_head_keeps_the_first_sequences():
-    work = bench.reference_workload()
+    work = workloads.reference_workload()
     head = work.head(64)
     assert head.prompts == work.prompts[:64] and head.max_tokens == work.max_tokens[:64]
 
 
 def test_quick_workload_fits_the_tiny_model():
-    work = bench.quick_workload()
+    work = workloads.quick_workload()
     for tiny in ("tiny", "tiny-llama"):
-        assert all(0 <= t < bench.SHAPES[tiny]["vocab_size"] for p in work.prompts for t in p)
+        assert all(0 <= t < shapes.SHAPES[tiny]["vocab_size"] for p in work.prompts for t in p)
 
 
 def test_ladders_bench_builds():
-    assert bench.ladder_sizes("default", 512) is None  # the engine's own rule
-    assert bench.ladder_sizes("pow2", 512) == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
-    assert bench.ladder_sizes("pow2", 48) == [1, 2, 4, 8, 16, 32, 48]
-    nano = bench.ladder_sizes("nano-vllm", 512)
+    assert ladders.ladder_sizes("default", 512) is None  # the engine's own rule
+    assert ladders.ladder_sizes("pow2", 512) == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+    assert ladders.ladder_sizes("pow2", 48) == [1, 2, 4, 8, 16, 32, 48]
+    nano = ladders.ladder_sizes("nano-vllm", 512)
     assert nano == [1, 2, 4, 8] + list(range(16, 513, 16)) and len(nano) == 36
-    assert bench.ladder_sizes("nano-vllm", 40) == [1, 2, 4, 8, 16, 32, 40]
+    assert ladders.ladder_sizes("nano-vllm", 40) == [1, 2, 4, 8, 16, 32, 40]
 
 
 def test_sweep_sizes_are_dense_at_the_small_end():
-    assert bench.sweep_sizes(256) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256]
-    assert bench.sweep_sizes(8) == [1, 2, 3, 4, 6, 8]
-    assert bench.sweep_sizes(100) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96]
+    dense = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256]
+    assert decode_sweep.sweep_sizes(256) == dense
+    assert decode_sweep.sweep_sizes(8) == [1, 2, 3, 4, 6, 8]
+    assert decode_sweep.sweep_sizes(100) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96]
 
 
 # total parameters of the public checkpoints (model cards), within 2%
@@ -62,10 +67,10 @@ PUBLISHED_PARAMS = {"qwen3-0.6b": 0.6e9, "qwen3-1.7b": 1.7e9, "qwen3-4b": 4.0e9,
                     "llama3.2-1b": 1.24e9, "llama3.1-8b": 8.03e9}
 
 
-@pytest.mark.parametrize("shape", bench.BENCH_SHAPES)
+@pytest.mark.parametrize("shape", shapes.BENCH_SHAPES)
 def test_shapes_are_the_public_models(shape, tmp_path):
     from transformers import AutoConfig
-    path = bench.write_model_dir(shape, str(tmp_path))
+    path = shapes.write_model_dir(shape, str(tmp_path))
     raw = json.load(open(os.path.join(path, "config.json")))
     cfg = AutoConfig.from_pretrained(path)
     family = "llama" if shape.startswith("llama") else "qwen3"
@@ -91,28 +96,39 @@ def test_timed_call_figures_come_from_graph_stats():
     stats = GraphStats()
     stats.replays.update({(8, 0): 5, (16, 0): 1})
     stats.real_rows, stats.eager_steps = 50, 2
-    before = bench.graph_counters(stats)  # the warm-up's counts
+    before = timing.graph_counters(stats)  # the warm-up's counts
     stats.replays.update({(4, 0): 3, (16, 16): 1})
     stats.real_rows += 3 * 3 + 12
     stats.eager_steps += 1
-    figures = bench.call_figures(before, bench.graph_counters(stats))
+    figures = timing.call_figures(before, timing.graph_counters(stats))
     assert figures["replays_per_bucket"] == {4: 3, 16: 1} and figures["replays_per_lora_bucket"] == {"16x16": 1}
     assert figures["decode_steps"] == 5 and figures["graph_replays"] == 4
     assert figures["graph_hit_rate"] == pytest.approx(4 / 5)
     assert figures["padding_waste"] == pytest.approx((3 * 4 + 16 - 21) / 21)
 
 
+def test_decode_step_puts_each_sequence_on_blocks_of_its_own():
+    from benchmarks.runner import decode_step
+    step = decode_step(3, context_len=300, block_size=256)  # 2 blocks a sequence
+    assert step.block_tables == [[0, 1], [2, 3], [4, 5]] and step.context_lens == [300] * 3
+    assert step.positions == [299] * 3  # in each sequence's second block, at offset 43
+    assert step.slot_mapping == [1 * 256 + 43, 3 * 256 + 43, 5 * 256 + 43]
+    assert step.lora_rank == 0
+    lora_step = decode_step(3, 300, 256, lora_slots=[0, 1, 0], lora_rank=16)
+    assert (lora_step.lora_slots, lora_step.lora_rank) == ([0, 1, 0], 16)
+
+
 def test_busy_share_is_the_union_of_intervals():
-    assert bench.busy_share([(5, 6), (0, 2), (1, 3)]) == pytest.approx(4 / 6)
-    assert bench.busy_share([(0, 10), (2, 3)]) == 1.0
-    assert bench.busy_share([]) is None  # nothing ran on the GPU
+    assert timing.busy_share([(5, 6), (0, 2), (1, 3)]) == pytest.approx(4 / 6)
+    assert timing.busy_share([(0, 10), (2, 3)]) == 1.0
+    assert timing.busy_share([]) is None  # nothing ran on the GPU
 
 
 def test_ratios_compare_the_same_sequences():
-    rows = [bench.RunResult("graphs", 256, 1000, 1.0), bench.RunResult("eager", 256, 1000, 4.0),
-            bench.RunResult("graphs, first 32", 32, 100, 1.0), bench.RunResult("HF", 32, 100, 10.0),
-            bench.RunResult("HF failed", 32, error="boom")]
-    assert bench.same_set_ratios(rows) == [1.0, 0.25, 1.0, 0.1, None]
+    rows = [RunResult("graphs", 256, 1000, 1.0), RunResult("eager", 256, 1000, 4.0),
+            RunResult("graphs, first 32", 32, 100, 1.0), RunResult("HF", 32, 100, 10.0),
+            RunResult("HF failed", 32, error="boom")]
+    assert compare.same_set_ratios(rows) == [1.0, 0.25, 1.0, 0.1, None]
 
 
 def test_quick_bench_runs_end_to_end(tmp_path):
@@ -127,7 +143,7 @@ def test_quick_bench_runs_end_to_end(tmp_path):
     assert {"meta", "workload", "shapes"} <= set(report) and list(report["shapes"]) == ["qwen3-0.6b"]
     shape = report["shapes"]["qwen3-0.6b"]
     assert {"run", "compare", "overlap"} <= set(shape)
-    work = bench.quick_workload()
+    work = workloads.quick_workload()
     requested, subset = work.output_tokens, work.head(4).output_tokens
     assert report["workload"]["output_tokens"] == requested
 
@@ -135,9 +151,9 @@ def test_quick_bench_runs_end_to_end(tmp_path):
     assert run["output_tokens"] == requested  # ignore_eos: every request runs to its max_tokens
     assert run["tokens_per_s"] > 0 and run["error"] is None
 
-    graphs, eager, graphs_subset, hf, *peers = shape["compare"]["rows"]
-    assert [p["engine"].split()[0] for p in peers] == [peer.name for peer in bench.PEERS]
-    for p in peers:  # no peer runs on a CPU: each is a skipped row with its reason
+    graphs, eager, graphs_subset, hf, *peer_rows = shape["compare"]["rows"]
+    assert [p["engine"].split()[0] for p in peer_rows] == [peer.name for peer in peers.PEERS]
+    for p in peer_rows:  # no peer runs on a CPU: each is a skipped row with its reason
         assert p["error"].startswith("skipped: ") and p["vs_nanograph"] is None, p["error"]
     assert graphs == run and "eager" in eager["engine"] and eager["output_tokens"] == requested
     # HF runs the first 4 sequences, and so does nanograph: the ratios compare the same sequences
@@ -189,16 +205,16 @@ def test_lora_adapters_are_peft_directories_the_engine_accepts(tmp_path):
     from transformers import AutoConfig
 
     from nanograph.adapter import TARGETS, read_adapter
-    model = bench.write_model_dir("tiny", str(tmp_path))
+    model = shapes.write_model_dir("tiny", str(tmp_path))
     hf = AutoConfig.from_pretrained(model)
-    requests = bench.write_lora_adapters(model, 2, 8, "bfloat16", str(tmp_path))
+    requests = lora.write_lora_adapters(model, 2, 8, "bfloat16", str(tmp_path))
     assert len({r.path for r in requests}) == 2
     for request in requests:
         adapter = read_adapter(request, hf, max_rank=8)  # config and every tensor's target and shape checked
         assert adapter.rank == 8 and adapter.scaling == 2.0
         with safe_open(os.path.join(request.path, "adapter_model.safetensors"), framework="pt") as f:
             names = set(f.keys())
-            assert {f.get_tensor(name).dtype for name in names} == {bench.torch.bfloat16}
+            assert {f.get_tensor(name).dtype for name in names} == {torch.bfloat16}
         modules = {(int(name.split(".")[4]), name.split(".")[6]) for name in names}
         assert modules == {(i, m) for i in range(hf.num_hidden_layers) for m in TARGETS}  # all seven, every layer
         assert len(names) == 2 * len(modules)  # lora_A and lora_B each
@@ -221,16 +237,16 @@ def test_quick_lora_section(tmp_path):
                 "--sweep-iters", "1", "--json", str(out)])
     shape = json.loads(out.read_text())["shapes"]["qwen3-0.6b"]
     assert set(shape) == {"lora"}
-    lora = shape["lora"]
-    assert (lora["adapters"], lora["rank"], lora["sweep"]["rank_bucket"]) == (2, 8, 8)
-    rows = lora["sweep"]["rows"]
+    section = shape["lora"]
+    assert (section["adapters"], section["rank"], section["sweep"]["rank_bucket"]) == (2, 8, 8)
+    rows = section["sweep"]["rows"]
     assert [r["batch"] for r in rows] == [1, 2, 4]
     for r in rows:
         assert min(r["base_ms"], r["no_adapter_ms"], r["adapter_ms"]) > 0
         assert r["adapter_vs_base"] == pytest.approx(r["adapter_ms"] / r["base_ms"])
         assert r["no_adapter_vs_base"] == pytest.approx(r["no_adapter_ms"] / r["base_ms"])
-    assert "skipped" in lora["capture"]  # no CUDA graphs on the CPU
-    e2e, work = lora["e2e"], bench.quick_workload()
+    assert "skipped" in section["capture"]  # no CUDA graphs on the CPU
+    e2e, work = section["e2e"], workloads.quick_workload()
     assert [r["engine"] for r in e2e["rows"]] == ["base engine", "LoRA engine, no adapters",
                                                   "LoRA engine, 2 adapters round-robin"]
     assert all(r["output_tokens"] == work.output_tokens and r["tokens_per_s"] > 0 for r in e2e["rows"])
@@ -284,22 +300,26 @@ def test_peers_get_the_same_checkpoint_and_workload(tmp_path, monkeypatch):
         (tmp_path / "peers" / module / "__init__.py").write_text(FAKE_PEER)
     log, out = tmp_path / "log.jsonl", tmp_path / "b.json"
     monkeypatch.setenv("FAKE_PEER_LOG", str(log))
-    written, write = [], bench.write_checkpoint
-    monkeypatch.setattr(bench, "write_checkpoint", lambda setup: written.append(write(setup)) or written[-1])
+    written, write = [], checkpoint.write_checkpoint
+    monkeypatch.setattr(checkpoint, "write_checkpoint",
+                        lambda setup: written.append(write(setup)) or written[-1])
     # the fakes run on the CPU
-    monkeypatch.setattr(bench, "PEERS", [dataclasses.replace(p, cuda_only=False) for p in bench.PEERS])
+    on_cpu = [dataclasses.replace(p, cuda_only=False) for p in peers.PEERS]
+    monkeypatch.setattr(peers, "PEERS", on_cpu)
     bench.main(["--quick", "--device", "cpu", "--compare", "--hf-seqs", "0", "--peer-path", str(tmp_path / "peers"),
                 "--json", str(out)])
 
     assert len(written) == 1
-    checkpoint = written[0]
+    checkpoint_dir = written[0]
     entries = [json.loads(line) for line in log.read_text().splitlines()]
-    work, warm = bench.quick_workload(), bench.warmup_workload(True, bench.SHAPES["tiny"]["vocab_size"] - 1)
+    work = workloads.quick_workload()
+    warm = workloads.warmup_workload(True, shapes.SHAPES["tiny"]["vocab_size"] - 1)
     for module in ("nanovllm", "vllm"):
         init, warmup, timed = [e for e in entries if e["peer"] == module]
         files = init.pop("files")
         assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(files)
-        assert init == {"peer": module, "model": checkpoint, "vocab": 512, "eos": 1, "dtype": "torch.float32",
+        assert init == {"peer": module, "model": checkpoint_dir, "vocab": 512, "eos": 1,
+                        "dtype": "torch.float32",
                         "kwargs": {"dtype": "float32", "max_model_len": 256, "tensor_parallel_size": 1}}
         for call, w in ((warmup, warm), (timed, work)):
             assert call["prompts"] == w.prompts and call["max_tokens"] == w.max_tokens
@@ -319,12 +339,15 @@ def test_peers_that_cannot_run_are_skipped_rows(tmp_path):
     """Skipped rows with their reasons, and no ratio: a peer that does not import (its subprocess says
     so), and nano-vllm on a Llama shape or on the CPU (bench knows without starting one)."""
     args = bench.parse_args(["--quick", "--device", "cpu", "--peer-path", str(tmp_path)])
-    qwen, llama = (bench.build_setup(args, str(tmp_path), shape) for shape in ("qwen3-0.6b", "llama3.2-1b"))
-    missing = bench.run_peer(qwen, bench.Peer("missing", "no_such_peer_engine"), qwen.model_dir)
+    qwen = harness.build_setup(args, str(tmp_path), "qwen3-0.6b")
+    llama = harness.build_setup(args, str(tmp_path), "llama3.2-1b")
+    missing = peers.run_peer(qwen, peers.Peer("missing", "no_such_peer_engine"), qwen.model_dir)
     assert missing.error == ("skipped: no_such_peer_engine does not import: ModuleNotFoundError: "
                              "No module named 'no_such_peer_engine'")
-    nano = bench.PEERS[0]  # no subprocess for these two: nano-vllm implements Qwen3 only, and on CUDA only
-    assert bench.run_peer(llama, nano, llama.model_dir).error == "skipped: implements qwen3 only, not llama"
-    cpu = bench.run_peer(qwen, nano, qwen.model_dir)
+    nano = peers.PEERS[0]  # no subprocess for these two: nano-vllm runs Qwen3 only, on CUDA only
+    llama_row = peers.run_peer(llama, nano, llama.model_dir)
+    assert llama_row.error == "skipped: implements qwen3 only, not llama"
+    cpu = peers.run_peer(qwen, nano, qwen.model_dir)
     assert cpu.error == "skipped: runs on CUDA only"
-    assert bench.same_set_ratios([bench.RunResult("graphs", 8, 10, 1.0), missing, cpu]) == [1.0, None, None]
+    graphs = RunResult("graphs", 8, 10, 1.0)
+    assert compare.same_set_ratios([graphs, missing, cpu]) == [1.0, None, None]

@@ -1,8 +1,10 @@
 """Triton kernels against slow, obvious pure-torch references.
 
-GPU tests carry the ``gpu`` marker and skip without CUDA. The ``*_interpreter``
-tests run the same kernels on tiny CPU shapes under the Triton interpreter: on a
-machine without CUDA conftest.py turns it on (TRITON_INTERPRET=1), so CI runs them.
+Every test needs triton (the module's ``triton`` marker: skipped where it does not
+import, conftest.py). GPU tests carry the ``gpu`` marker and skip without CUDA. The
+``*_interpreter`` tests run the same kernels on tiny CPU shapes under the Triton
+interpreter: on a machine without CUDA conftest.py turns it on (TRITON_INTERPRET=1),
+so CI runs them.
 
 Cache poisoning: block 0 is filled with NaN and used as block-table padding, and
 the slots past each sequence's end in its last block are NaN too. A kernel that
@@ -17,6 +19,7 @@ import torch
 
 from nanograph.layers.rotary import RotaryEmbedding
 
+pytestmark = pytest.mark.triton
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 requires_interpreter = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton interpreter is on only without CUDA (conftest.py)"
@@ -24,7 +27,6 @@ requires_interpreter = pytest.mark.skipif(
 
 
 def kernels():
-    pytest.importorskip("triton")
     from nanograph.kernels import kv_store, paged_decode, paged_prefill
 
     return kv_store, paged_decode, paged_prefill
@@ -216,7 +218,6 @@ def check_gemv(device, dtype, rows, n, k, bias, silu_and_mul, norm=None, tensor_
     """Either kernel of gemv.py against F.linear (and the MLP's silu_and_mul) on the same rounded
     inputs. norm: None, "norm" (input rms_norm(x)) or "add_norm" (input rms_norm(x + residual), sum
     written out)."""
-    pytest.importorskip("triton")
     from nanograph.kernels.gemv import gemv
     from nanograph.layers.norm import rms_norm as ref_rms_norm
     from nanograph.models.decoder import silu_and_mul as ref_silu_and_mul
@@ -411,7 +412,6 @@ def test_compiled_rms_norm(dtype, rows, dim, residual):
 def test_pdl_chain_in_cuda_graph():
     """A long chain of PDL-launched kernels (each reads the one before's output) in one graph,
     replayed on fresh inputs: an early start that read stale data would change the result."""
-    pytest.importorskip("triton")
     from nanograph.kernels.gemv import gemv
     from nanograph.layers.norm import add_rms_norm
     from nanograph.layers.norm import rms_norm as ref_rms_norm

@@ -4,14 +4,17 @@ kernels/gemv.py adding the delta itself) against a plain per-row torch loop.
 Adapters are stored as the engine stores them: slot s of rank r_s <= rank has A rows and B
 columns past r_s zero, a part the adapter does not target is all zero, and one slot that no row
 uses is NaN (a row that gathered the wrong slot would turn NaN). Rows with slot -1 must keep
-their bits. GPU tests carry the ``gpu`` marker and skip without CUDA; the ``*_interpreter``
-tests run tiny shapes in the Triton interpreter (conftest.py turns it on without CUDA).
+their bits. Every test needs triton (the module's ``triton`` marker: skipped where it does not
+import, conftest.py). GPU tests carry the ``gpu`` marker and skip without CUDA; the
+``*_interpreter`` tests run tiny shapes in the Triton interpreter (conftest.py turns it on
+without CUDA).
 """
 import os
 
 import pytest
 import torch
 
+pytestmark = pytest.mark.triton
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 requires_interpreter = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton interpreter is on only without CUDA (conftest.py)"
@@ -64,8 +67,6 @@ def lora_bgmv(x, y, lora_a, lora_b, slots, starts, rank):
 
 
 def check_lora_bgmv(device, dtype, num_rows, k, part_sizes, max_rank, rank, seed=0, poison_past_rank=False):
-    pytest.importorskip("triton")
-
     gen = torch.Generator().manual_seed(seed + num_rows * 1000 + k)
     x, y, lora_a, lora_b, slots = make_inputs(gen, num_rows, k, part_sizes, max_rank, rank, dtype, poison_past_rank)
     starts = starts_of(part_sizes)
@@ -96,7 +97,6 @@ def check_gemv_lora(device, dtype, num_rows, k, part_sizes, deferred, rank=8, ma
     by its folded parts (A diag(norm weight)) [W_p | I]; the GEMV takes those parts (a strided view
     past the producer's own) and applies the norm's 1 / rms. Slot -1 rows must get exactly the
     GEMV's product without LoRA."""
-    pytest.importorskip("triton")
     from nanograph.kernels.gemv import gemv
     from nanograph.kernels.bgmv import lora_shrink
     from nanograph.layers.norm import rms_norm
@@ -179,8 +179,6 @@ def test_lora_bgmv_ranks(rank):
 def test_lora_bgmv_cuda_graph_replay():
     """Capture once, replay with new slots and inputs (same shapes): nothing about one step may be
     baked into the graph."""
-    pytest.importorskip("triton")
-
     gen = torch.Generator().manual_seed(7)
     num_rows, k, part_sizes, starts = 16, 1024, (2048, 1024, 1024), starts_of((2048, 1024, 1024))
     static = [t.cuda() for t in make_inputs(gen, num_rows, k, part_sizes, 64, 16, torch.bfloat16)]

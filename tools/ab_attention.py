@@ -1,12 +1,15 @@
-"""Decode attention kernels side by side in one process, engine graph step by batch (README,
+"""Decode attention kernels side by side in one process, engine graph step by batch (GPU;
 kernels/paged_decode.py). Modes, run in turn on one model:
 - `tree`: the attention kernels (tiles, kv_store, paged_decode) of another source tree, e.g. the
   commit before a change: `git archive HEAD nanograph/kernels | tar -x -C /tmp/head`;
 - `this`: this tree's;
 - `fused`: this tree's with the fused path at every batch size (FUSED_MAX_BATCH lifted).
 
-    PYTHONPATH=.:tools python tools/ab_attention.py --shape qwen3-8b --tree /tmp/head --modes tree,this,tree,this \
+    python -m tools.ab_attention --shape qwen3-8b --tree /tmp/head --modes tree,this,tree,this \
         --sizes 1,2,4,8,32,256 --contexts 512,2048
+
+Each step is bench.py --decode-sweep's (benchmarks/runner.py): a bench shape with dummy bf16
+weights, graphs for exactly the sizes, the best of 3 x --iters steps.
 """
 import argparse
 import gc
@@ -17,7 +20,9 @@ import tempfile
 
 import torch
 
-import bench
+from benchmarks.runner import decode_engine_args, decode_step, time_forward
+from benchmarks.shapes import BENCH_SHAPES, write_model_dir
+from nanograph import LLM
 from nanograph.kernels import kv_store, paged_decode
 
 KERNELS = ("tiles", "kv_store", "paged_decode")  # in import order
@@ -41,7 +46,7 @@ def load_tree_kernels(tree: str) -> dict:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", default="qwen3-8b")
+    p.add_argument("--shape", choices=BENCH_SHAPES, default="qwen3-8b")
     p.add_argument("--tree", help="a source tree for the `tree` mode")
     p.add_argument("--modes", default="tree,this")
     p.add_argument("--sizes", default="1,2,4,8,16,32,64,128,256")
@@ -51,9 +56,8 @@ def main():
     sizes, contexts = [int(s) for s in args.sizes.split(",")], [int(c) for c in args.contexts.split(",")]
     this = paged_decode.paged_decode_attention, kv_store.rotate_and_store, paged_decode.FUSED_MAX_BATCH
     tree = load_tree_kernels(args.tree) if "tree" in args.modes.split(",") else None
-    bench_args = bench.parse_args(["--shape", args.shape, "--decode-sweep", "--sweep-context-len", str(max(contexts))])
     with tempfile.TemporaryDirectory() as tmp:
-        setup = bench.build_setup(bench_args, tmp, args.shape)
+        model_dir = write_model_dir(args.shape, tmp)
         for mode in args.modes.split(","):
             # attention.py imports these functions at each call, so swapping the attributes swaps the kernels
             paged_decode.paged_decode_attention, kv_store.rotate_and_store, paged_decode.FUSED_MAX_BATCH = this
@@ -62,13 +66,15 @@ def main():
                 kv_store.rotate_and_store = tree["kv_store"].rotate_and_store
             elif mode == "fused":
                 paged_decode.FUSED_MAX_BATCH = 1 << 30
-            with bench.sweep_engine(setup, sizes) as llm:
+            engine_args = decode_engine_args(sizes, max(contexts))
+            with LLM(model_dir, load_format="dummy", dtype="bfloat16", **engine_args) as llm:
                 for context in contexts:
                     times = []
                     for bs in sizes:
-                        step = bench.decode_step(bs, context, llm.runner.block_size)
-                        times.append(min(bench.time_forward(llm.runner, step, setup.device, args.iters)
-                                         for _ in range(3)) * 1e3)
+                        step = decode_step(bs, context, llm.runner.block_size)
+                        seconds = min(time_forward(llm.runner, step, "cuda", args.iters)
+                                      for _ in range(3))
+                        times.append(seconds * 1e3)
                     print(f"{args.shape} {mode:5s} context {context}: " + " / ".join(f"{t:.3f}" for t in times)
                           + f" ms at batch {sizes}", flush=True)
             gc.collect()

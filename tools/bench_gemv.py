@@ -1,7 +1,7 @@
 """The GEMV kernel's launch shape, and what PDL buys: the chain of a model's linear layers (norm,
 QKV, O, norm, gate/up + SiLU, down per layer; then a norm and the LM head) captured in one CUDA graph.
 
-    PYTHONPATH=. python tools/bench_gemv.py [--shape qwen3-8b] [--rows 1,2,3,4]
+    python -m tools.bench_gemv [--shape qwen3-8b] [--rows 1,2,3,4]
 
 Times one replay for cuBLAS (F.linear + torch ops) and for the GEMV kernels (norms deferred into
 them) with and without PDL, over tile sizes and warp counts, at 1 to 16 rows. Weights are distinct per

@@ -1,7 +1,7 @@
 """Registers and spills of the GEMV kernel (kernels/gemv.py) per input width and row count,
 compiled for an H100 (sm_90) by the installed Triton on any machine, the CPU included.
 
-    PYTHONPATH=. python tools/gemv_registers.py [--k 1024,3072,...] [--rows 1,2,4,8]
+    python -m tools.gemv_registers [--k 1024,3072,...] [--rows 1,2,4,8]
 
 A GEMV program holds BLOCK_N weight rows of next_pow2(K) elements and each input row whole in
 registers (kernels/gemv.py), so its register count grows with K and the rows, and past 255 a

@@ -1,13 +1,13 @@
 """The host side of the step loop without a model: per-step bookkeeping time, and how often
 overlap scheduling has to wait for the step in flight.
 
-    PYTHONPATH=. python tools/host_overhead.py
+    python -m tools.host_overhead
 
 Part 1 times one decode step's host work (schedule, build the step with its sampling lists, fill
 the graph buffers, account for the sampled tokens) for 256 sequences of the reference
-workload's prompt lengths, block size 256, as in bench.py. With overlap scheduling this work
-runs while the GPU computes the previous step, so it only costs time where it is longer than
-the step itself.
+workload's prompt lengths (benchmarks/workloads.py), block size 256, as in bench.py. With
+overlap scheduling this work runs while the GPU computes the previous step, so it only costs
+time where it is longer than the step itself.
 
 Part 2 runs the whole reference workload through the real step loop (`LLM._run`, lookahead 1)
 with a stand-in runner that returns token 1 for every row, and a KV cache of 2,511 blocks (what
@@ -15,6 +15,7 @@ an H100 gets for the Qwen3-0.6B shape at 0.9 memory utilisation): it counts the 
 not be scheduled while one was in flight, so the loop collected first and the GPU would have
 idled for one step ("drains"), and the preemptions.
 """
+import argparse
 import random
 import time
 from collections import deque
@@ -22,6 +23,7 @@ from collections import deque
 import torch
 from tqdm import tqdm
 
+from benchmarks.workloads import reference_workload
 from nanograph.engine.block_manager import BlockManager
 from nanograph.engine.cuda_graph import DecodeBuffers
 from nanograph.engine.model_runner import InFlight
@@ -33,11 +35,11 @@ from nanograph.sampling_params import SamplingParams
 
 
 def reference_sequences(block_size: int = 256) -> list[Sequence]:
-    rng = random.Random(0)  # bench.py's make_workload: all prompts, then all output lengths
-    prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(100, 1024))] for _ in range(256)]
-    lengths = [rng.randint(100, 1024) for _ in range(256)]
-    return [Sequence(i, p, SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n), block_size)
-            for i, (p, n) in enumerate(zip(prompts, lengths))]
+    work = reference_workload()
+    params = [SamplingParams(temperature=work.temperature, ignore_eos=True, max_tokens=n)
+              for n in work.max_tokens]
+    return [Sequence(i, prompt, p, block_size)
+            for i, (prompt, p) in enumerate(zip(work.prompts, params))]
 
 
 def time_decode_bookkeeping(steps: int = 200) -> None:
@@ -101,6 +103,8 @@ def count_drains(num_blocks: int = 2511) -> None:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     random.seed(0)
     time_decode_bookkeeping()
     count_drains()

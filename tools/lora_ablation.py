@@ -1,6 +1,6 @@
 """Where a LoRA decode step's time goes: the same step with parts of the LoRA work taken out.
 
-    PYTHONPATH=. python tools/lora_ablation.py [--shape qwen3-0.6b] [--rank 16] [--batches 1,2,4]
+    python -m tools.lora_ablation [--shape qwen3-0.6b] [--rank 16] [--batches 1,2,4]
 
 On one bench shape (bench.py --shape; dummy bf16 weights), engines alive side by side, each with
 graphs for exactly the batches and 4 random adapters of --rank round-robin over the rows:
@@ -17,18 +17,19 @@ GEMV row limit, layers/linear.py); above it the cuBLAS path's expand kernel is n
 """
 import argparse
 import tempfile
-from dataclasses import replace
 
 import torch
 
 import nanograph.layers.linear as linear
-from bench import BENCH_SHAPES, decode_step, time_forward, write_lora_adapters, write_model_dir
+from benchmarks.lora import write_lora_adapters
+from benchmarks.runner import decode_engine_args, decode_step, time_forward
+from benchmarks.shapes import BENCH_SHAPES, write_model_dir
 from nanograph import LLM
 from nanograph.layers.lora_slots import load_adapter, lora_inputs
 from nanograph.adapter import read_adapter
 from nanograph.utils.context import get_step_metadata
 
-NUM_ADAPTERS, CONTEXT, BLOCK_SIZE = 4, 512, 256
+NUM_ADAPTERS, CONTEXT = 4, 512
 scratch: dict = {}
 
 
@@ -58,8 +59,8 @@ def build(model_dir: str, batches: list[int], rank: int, adapters: list, inputs=
     linear.lora_inputs = inputs or lora_inputs
     try:
         lora = dict(enable_lora=True, max_loras=NUM_ADAPTERS, max_lora_rank=rank) if adapters else {}
-        llm = LLM(model_dir, load_format="dummy", dtype="bfloat16", kvcache_block_size=BLOCK_SIZE,
-                  num_kvcache_blocks=max(batches) * -(-CONTEXT // BLOCK_SIZE), cuda_graph_sizes=batches, **lora)
+        llm = LLM(model_dir, load_format="dummy", dtype="bfloat16",
+                  **decode_engine_args(batches, CONTEXT), **lora)
     finally:
         linear.lora_inputs = lora_inputs
     for slot, request in enumerate(adapters):
@@ -83,8 +84,10 @@ if __name__ == "__main__":
     best = {}
     for _ in range(3):  # in turn, so that a drift of the clocks hits every engine alike
         for bs in args.batches:
-            step = decode_step(bs, CONTEXT, BLOCK_SIZE)
-            lora_step = replace(step, lora_slots=[i % NUM_ADAPTERS for i in range(bs)], lora_rank=args.rank)
+            step = decode_step(bs, CONTEXT, runners["base"].block_size)
+            slots = [i % NUM_ADAPTERS for i in range(bs)]
+            lora_step = decode_step(bs, CONTEXT, runners["base"].block_size, lora_slots=slots,
+                                    lora_rank=args.rank)
             for name, runner in runners.items():
                 ms = time_forward(runner, step if name == "base" else lora_step, "cuda", 30) * 1e3
                 best[name, bs] = min(best.get((name, bs), float("inf")), ms)

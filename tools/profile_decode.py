@@ -1,6 +1,6 @@
 """Where a decode step's time goes: replay one captured graph under torch.profiler.
 
-    PYTHONPATH=. python tools/profile_decode.py [--shape qwen3-0.6b] [--batch 1] [--context 512]
+    python -m tools.profile_decode [--shape qwen3-0.6b] [--batch 1] [--context 512]
 
 Prints the kernels of one replay of a bench shape (bench.py --shape; dummy weights, bf16), grouped
 by name, with their count, their GPU time ("busy") and their share of the step's critical path
@@ -22,7 +22,8 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench import BENCH_SHAPES, SHAPES, decode_step, write_model_dir
+from benchmarks.runner import decode_engine_args, decode_step
+from benchmarks.shapes import BENCH_SHAPES, SHAPES, write_model_dir
 from nanograph import LLM
 
 REPLAYS = 10
@@ -56,11 +57,11 @@ if __name__ == "__main__":
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--context", type=int, default=512)
     args = parser.parse_args()
-    blocks = -(-args.context // 256)
     with tempfile.TemporaryDirectory() as d:
-        llm = LLM(write_model_dir(args.shape, d), load_format="dummy", num_kvcache_blocks=args.batch * blocks,
-                  kvcache_block_size=256, max_model_len=max(4096, args.context), cuda_graph_sizes=[args.batch])
-    step = decode_step(args.batch, args.context, 256)
+        engine_args = decode_engine_args([args.batch], args.context)
+        llm = LLM(write_model_dir(args.shape, d), load_format="dummy",
+                  max_model_len=max(4096, args.context), **engine_args)
+    step = decode_step(args.batch, args.context, llm.runner.block_size)
     for _ in range(5):
         llm.runner.forward(step)
     torch.cuda.synchronize()

@@ -64,7 +64,7 @@ How it works, and why:
   and greedy completions of example.py's demo prompts; ``README.md`` (the model
   card) gets the data table, the figures and those completions.
 
-Usage: ``python tools/train_demo_model.py --out DIR [--minutes 11] [--max-mb 320]``;
+Usage: ``python -m tools.train_demo_model --out DIR [--minutes 11] [--max-mb 320]``;
 ``--minutes`` is the whole run's wall clock: reading (~5 s), the tokenizer
 (~10-20 s), encoding (~30-60 s on a few cores; stopped after 150 s whatever is
 left), training, then ~75 s kept for saving and evaluation.

@@ -1,11 +1,12 @@
 """Measure the paged decode kernel's achieved bandwidth for a few launch shapes (run on a GPU).
 
-    PYTHONPATH=. python tools/tune_decode.py
+    python -m tools.tune_decode
 
 The kernel also norms and rotates the new tokens and stores their K/V (Qwen3's qk-norm on).
 Bandwidth counts the K and V bytes the kernel must read (batch x context x kv_heads x head_dim
 x 2 tensors x 2 bytes): the figure to compare with the card's ~3 TB/s.
 """
+import argparse
 import itertools
 
 import torch
@@ -34,6 +35,8 @@ def bench(batch: int, context: int, heads=16, kv_heads=8, head_dim=128, block_si
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     print("keys/tile warps stages | b256 c1024 ms  TB/s | b64 c1024 ms  TB/s | b1 c1024 ms")
     for keys, warps, stages in itertools.product((64, 128), (4, 8), (2, 3, 4)):
         paged_decode.KEYS_PER_TILE, paged_decode.NUM_WARPS, paged_decode.NUM_STAGES = keys, warps, stages
