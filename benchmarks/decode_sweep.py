@@ -1,6 +1,6 @@
 """--decode-sweep: the time of one decode step by batch size, graph and eager, against its floor.
 
-The step is `runner.forward` on a hand-built decode step (runner.py): the forward, the LM head
+The step is `runner.run` on a hand-built decode step (runner.py): the forward, the LM head
 and sampling at temperature 0.6, for one new token per sequence at a fixed context length
 (`--sweep-context-len`), at batch sizes 1, 2, 3, 4, 6, 8, 12, 16, 24, ... (dense at the small
 end). One engine serves the whole sweep, with a graph captured for exactly each size, so a

@@ -1,6 +1,6 @@
 """--lora N (--lora-rank R): multi-LoRA with N random adapters of rank R, three measurements.
 
-- The decode step (`runner.forward`: forward, LM head, sampling) at batches 1, 2, 4, ... 64 and
+- The decode step (`runner.run`: forward, LM head, sampling) at batches 1, 2, 4, ... 64 and
   the sweep's context, three ways: a base engine; a LoRA engine (max_loras = N, max_lora_rank = R)
   on a batch without adapters; the same with every row on an adapter (round-robin). The two
   engines are alive at once with the same ladder, KV cache and step inputs, and the three columns

@@ -3,7 +3,7 @@
 `llm.generate` times everything (scheduling, host bookkeeping, sampling); a decode sweep wants
 the step alone, at batch sizes and contexts that no workload would hold steady. So bench builds a
 decode step by hand (`decode_step`, the only code here that knows the engine's step type,
-nanograph/engine/step.py) and times `runner.forward(step)`: the forward, the LM head and sampling,
+nanograph/engine/step.py) and times `runner.run(step)`: the forward, the LM head and sampling,
 from a captured graph when one fits the batch, else eagerly. `eager` runs the same engine without
 its graphs: exactly the path `enforce_eager=True` takes. The cache content does not matter for
 timing, so every sequence sits on consecutive blocks of its own and attends to whatever is there.
@@ -34,23 +34,25 @@ def decode_step(batch: int, context_len: int, block_size: int, lora_slots: list[
     pos = context_len - 1
     slots = [t[pos // block_size] * block_size + pos % block_size for t in tables]
     return StepInput(
-        is_prefill=False,
+        num_decodes=batch,
         input_ids=[1] * batch,
         positions=[pos] * batch,
         slot_mapping=slots,
+        lora_slots=lora_slots,
         context_lens=[context_len] * batch,
         block_tables=tables,
         cu_seqlens_q=list(range(batch + 1)),
+        sample_indices=list(range(batch)),
+        sample_lens=[context_len] * batch,
         temperatures=[0.6] * batch,
         seeds=list(range(batch)),
-        lora_slots=lora_slots,
         lora_rank=lora_rank,
     )
 
 
 def time_forward(runner, step, device: str, iters: int) -> float:
-    """Seconds per `runner.forward(step)` (forward, LM head, sampling), after 3 untimed ones."""
-    return seconds_per_call(lambda: runner.forward(step), device, iters, warmup=3)
+    """Seconds per `runner.run(step)` (forward, LM head, sampling), after 3 untimed ones."""
+    return seconds_per_call(lambda: runner.run(step), device, iters, warmup=3)
 
 
 @contextmanager

@@ -78,8 +78,8 @@ CALL_COUNTERS = ("prefix_cache_hit_tokens", "preemptions", "overlap_discarded_to
 
 def graph_counters(stats) -> dict:
     """The cumulative counters of a GraphStats (nanograph/engine/cuda_graph.py)."""
-    return {"replays": Counter(stats.replays), "eager_steps": stats.eager_steps,
-            "real_rows": stats.real_rows}
+    return {"replays": Counter(stats.replays), "eager": Counter(stats.eager),
+            "real_rows": stats.real_rows, "real_tokens": stats.real_tokens}
 
 
 def counters(llm) -> dict:
@@ -98,8 +98,9 @@ def call_figures(before: dict, after: dict) -> dict:
         from nanograph.engine.cuda_graph import GraphStats
         call = GraphStats(  # Counter subtraction drops the buckets the call did not use
             replays=after["replays"] - before["replays"],
-            eager_steps=after["eager_steps"] - before["eager_steps"],
+            eager=after["eager"] - before["eager"],
             real_rows=after["real_rows"] - before["real_rows"],
+            real_tokens=after["real_tokens"] - before["real_tokens"],
         )
         capture = ("capture_seconds", "graph_memory_bytes")
         out.update({k: v for k, v in call.as_dict().items() if k not in capture})

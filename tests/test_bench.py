@@ -92,19 +92,23 @@ def test_shapes_are_the_public_models(shape, tmp_path):
 
 
 def test_timed_call_figures_come_from_graph_stats():
-    from nanograph.engine.cuda_graph import GraphStats
+    from nanograph.engine.cuda_graph import GraphStats, decode_shape, mixed_shape
     stats = GraphStats()
-    stats.replays.update({(8, 0): 5, (16, 0): 1})
-    stats.real_rows, stats.eager_steps = 50, 2
+    stats.replays.update({decode_shape(8): 5, decode_shape(16): 1, mixed_shape(8, 64): 2})
+    stats.real_rows, stats.real_tokens = 50, 100
+    stats.eager.update(decode=2, mixed=1)
     before = timing.graph_counters(stats)  # the warm-up's counts
-    stats.replays.update({(4, 0): 3, (16, 16): 1})
+    stats.replays.update({decode_shape(4): 3, decode_shape(16, 16): 1, mixed_shape(8, 64): 1})
     stats.real_rows += 3 * 3 + 12
-    stats.eager_steps += 1
+    stats.real_tokens += 60
+    stats.eager.update(decode=1, mixed=1)
     figures = timing.call_figures(before, timing.graph_counters(stats))
     assert figures["replays_per_bucket"] == {4: 3, 16: 1} and figures["replays_per_lora_bucket"] == {"16x16": 1}
     assert figures["decode_steps"] == 5 and figures["graph_replays"] == 4
     assert figures["graph_hit_rate"] == pytest.approx(4 / 5)
     assert figures["padding_waste"] == pytest.approx((3 * 4 + 16 - 21) / 21)
+    assert figures["mixed_steps"] == 2 and figures["mixed_graph_hit_rate"] == pytest.approx(1 / 2)
+    assert figures["mixed_padding_waste"] == pytest.approx((72 - 60) / 60)
 
 
 def test_decode_step_puts_each_sequence_on_blocks_of_its_own():
@@ -114,7 +118,7 @@ def test_decode_step_puts_each_sequence_on_blocks_of_its_own():
     assert step.positions == [299] * 3  # in each sequence's second block, at offset 43
     assert step.slot_mapping == [1 * 256 + 43, 3 * 256 + 43, 5 * 256 + 43]
     assert step.lora_rank == 0
-    lora_step = decode_step(3, 300, 256, lora_slots=[0, 1, 0], lora_rank=16)
+    lora_step = decode_step(3, 300, 256, lora_slots=[0, 1, 0], lora_rank=16)  # one token a sequence
     assert (lora_step.lora_slots, lora_step.lora_rank) == ([0, 1, 0], 16)
 
 

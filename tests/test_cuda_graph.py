@@ -35,25 +35,28 @@ def decode_step(ids, positions, slots, lens, tables, temperatures, seeds) -> Ste
 
 def test_buffers_fill_live_rows_and_pad_the_rest():
     buf = StepBuffers(max_tokens=8, max_seqs=8, max_blocks=4, device="cpu")
-    # before any step (what the captures run on) every row is padding
-    assert (buf.dev["slot_mapping"] == -1).all() and (buf.dev["lora_slots"] == -1).all()
-    assert not buf.dev["context_lens"].any()
     step = decode_step([11, 12, 13], [5, 40, 7], [21, 99, 103], [6, 41, 8],
                        [[1, -1, -1], [2, 3, 4], [6, -1, -1]], [0.5, 0.0, 1.25], [7, 8, 9])
     buf.fill(step, decode_shape(4))
-    dev = buf.dev
-    assert dev["temperatures"][:4].tolist() == [0.5, 0.0, 1.25, 0.0] and dev["seeds"][:4].tolist() == [7, 8, 9, 0]
-    assert dev["input_ids"][:4].tolist() == [11, 12, 13, 0]
-    assert dev["positions"][:4].tolist() == [5, 40, 7, 0]
-    assert dev["slot_mapping"][:4].tolist() == [21, 99, 103, -1]      # padded row writes no KV
-    assert dev["context_lens"][:4].tolist() == [6, 41, 8, 0]          # padded row reads nothing
-    assert dev["sample_lens"][:4].tolist() == [6, 41, 8, 0]
+    dev = buf.views(decode_shape(4))
+    assert dev["temperatures"].tolist() == [0.5, 0.0, 1.25, 0.0] and dev["seeds"].tolist() == [7, 8, 9, 0]
+    assert dev["input_ids"].tolist() == [11, 12, 13, 0]
+    assert dev["positions"].tolist() == [5, 40, 7, 0]
+    assert dev["slot_mapping"].tolist() == [21, 99, 103, -1]      # padded row writes no KV
+    assert dev["lora_slots"].tolist() == [-1] * 4                 # no adapters
+    assert dev["context_lens"].tolist() == [6, 41, 8, 0]          # padded row reads nothing
+    assert dev["sample_lens"].tolist() == [6, 41, 8, 0]
     assert dev["block_tables"][1, :3].tolist() == [2, 3, 4] and dev["block_tables"][2, 0] == 6
     # a smaller batch later re-pads rows a bigger one had used
     for _ in range(2):  # both host mirrors
         buf.fill(decode_step([9], [3], [50], [4], [[7]], [1.0], [5]), decode_shape(2))
-        assert dev["slot_mapping"][:2].tolist() == [50, -1] and dev["context_lens"][:2].tolist() == [4, 0]
-        assert dev["input_ids"][:2].tolist() == [9, 0]
+        dev = buf.views(decode_shape(2))
+        assert dev["slot_mapping"].tolist() == [50, -1] and dev["context_lens"].tolist() == [4, 0]
+        assert dev["input_ids"].tolist() == [9, 0]
+    # what a capture runs on: every row padding
+    buf.fill(StepInput(), decode_shape(4))
+    dev = buf.views(decode_shape(4))
+    assert dev["slot_mapping"].tolist() == [-1] * 4 and not dev["context_lens"].any()
 
 
 def test_buffers_mixed_layout():
@@ -64,13 +67,14 @@ def test_buffers_mixed_layout():
     step = StepInput(num_decodes=1, input_ids=[11, 21, 22, 23], positions=[9, 4, 5, 6], slot_mapping=[40, 4, 5, 6],
                      context_lens=[10, 7], block_tables=[[2, 3], [0, -1]], cu_seqlens_q=[0, 1, 4],
                      sample_indices=[0, 3], sample_lens=[10, 7], temperatures=[0.0, 1.0], seeds=[1, 2])
-    buf.fill(step, mixed_shape(2, 4))
-    dev = buf.dev
-    assert dev["input_ids"][:6].tolist() == [11, 0, 21, 22, 23, 0]
-    assert dev["slot_mapping"][:6].tolist() == [40, -1, 4, 5, 6, -1]
-    assert dev["context_lens"][:2 + MIXED_PREFILL_CHUNKS].tolist() == [10, 0, 7] + [0] * (MIXED_PREFILL_CHUNKS - 1)
+    shape = mixed_shape(2, 4)
+    buf.fill(step, shape)
+    dev = buf.views(shape)
+    assert dev["input_ids"].tolist() == [11, 0, 21, 22, 23, 0]
+    assert dev["slot_mapping"].tolist() == [40, -1, 4, 5, 6, -1]
+    assert dev["context_lens"].tolist() == [10, 0, 7] + [0] * (MIXED_PREFILL_CHUNKS - 1)
     # chunk offsets within the prefill part; padded chunks have length 0
-    assert dev["cu_seqlens_q"][:MIXED_PREFILL_CHUNKS + 1].tolist() == [0, 3] + [3] * (MIXED_PREFILL_CHUNKS - 1)
+    assert dev["cu_seqlens_q"].tolist() == [0, 3] + [3] * (MIXED_PREFILL_CHUNKS - 1)
     assert dev["sample_indices"][:3].tolist() == [0, 4, 0]   # row 1: the chunk's last token, at d + 2
     assert dev["block_tables"][0, :2].tolist() == [2, 3] and dev["block_tables"][2, 0] == 0
     assert dev["temperatures"][:3].tolist() == [0.0, 1.0, 0.0]

@@ -9,7 +9,7 @@ workload's prompt lengths (benchmarks/workloads.py), block size 256, as in bench
 overlap scheduling this work runs while the GPU computes the previous step, so it only costs
 time where it is longer than the step itself.
 
-Part 2 runs the whole reference workload through the real step loop (`LLM._run`, lookahead 1)
+Part 2 runs the whole reference workload through the step loop of `LLM._step` (lookahead 1)
 with a stand-in runner that returns token 1 for every row, and a KV cache of 2,511 blocks (what
 an H100 gets for the Qwen3-0.6B shape at 0.9 memory utilisation): it counts the steps that could
 not be scheduled while one was in flight, so the loop collected first and the GPU would have
@@ -20,17 +20,13 @@ import random
 import time
 from collections import deque
 
-import torch
-from tqdm import tqdm
 
 from benchmarks.workloads import reference_workload
 from nanograph.engine.block_manager import BlockManager
-from nanograph.engine.cuda_graph import DecodeBuffers
-from nanograph.engine.model_runner import InFlight
+from nanograph.engine.cuda_graph import bucket_ladder, decode_shape, find_bucket
 from nanograph.engine.scheduler import Scheduler
 from nanograph.engine.sequence import Sequence
-from nanograph.engine.step import build_step
-from nanograph.llm import LLM
+from nanograph.engine.step import StepBuffers, build_step
 from nanograph.sampling_params import SamplingParams
 
 
@@ -47,10 +43,11 @@ def time_decode_bookkeeping(steps: int = 200) -> None:
     for seq in reference_sequences():
         seq.params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=4096)
         scheduler.waiting.append(seq)
-    while (batch := scheduler.schedule()).is_prefill:  # run the prefills
-        scheduler.update(batch, [1] * len(batch.seqs))
-    scheduler.update(batch, [1] * len(batch.seqs))
-    buffers = DecodeBuffers(512, 16, "cpu")
+    while (batch := scheduler.schedule()).kind != "decode":  # run the prefills
+        scheduler.update(batch, [1] * len(batch.rows))
+    scheduler.update(batch, [1] * len(batch.rows))
+    buffers = StepBuffers(max_tokens=16384 + 520, max_seqs=520, max_blocks=16, device="cpu")
+    ladder = bucket_ladder(512)
     parts = dict.fromkeys(("schedule", "build", "fill", "update"), 0.0)
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -58,9 +55,9 @@ def time_decode_bookkeeping(steps: int = 200) -> None:
         t1 = time.perf_counter()
         step = build_step(batch, 256)
         t2 = time.perf_counter()
-        buffers.fill(step, 256)
+        buffers.fill(step, decode_shape(find_bucket(ladder, step.num_decodes)))
         t3 = time.perf_counter()
-        scheduler.update(batch, [5] * len(batch.seqs))
+        scheduler.update(batch, [5] * len(batch.rows))
         t4 = time.perf_counter()
         for name, dt in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
             parts[name] += dt
@@ -68,38 +65,25 @@ def time_decode_bookkeeping(steps: int = 200) -> None:
           + f"; total {sum(parts.values()) / steps * 1e6:.0f} us per decode step")
 
 
-class StandInRunner:
-    """launch/collect without a model: every row samples token 1."""
-
-    def launch(self, batch) -> InFlight:
-        return InFlight(batch, torch.ones(len(batch.seqs), dtype=torch.int64), None)
-
-    @staticmethod
-    def collect(launched: InFlight) -> list[int]:
-        return launched.tokens.tolist()
-
-
 def count_drains(num_blocks: int = 2511) -> None:
-    llm = LLM.__new__(LLM)  # the real loop, around a scheduler and a stand-in runner
-    llm.block_manager = BlockManager(num_blocks, 256, True)
-    llm.scheduler = Scheduler(llm.block_manager, 512, 16384)
-    llm.runner = StandInRunner()
-    schedule, counts = llm.scheduler.schedule, {"prefill": 0, "decode": 0, "drains": 0}
-
-    def counted_schedule():
-        batch = schedule()
-        if batch is None:
-            counts["drains"] += 1
-        else:
-            counts["prefill" if batch.is_prefill else "decode"] += 1
-        return batch
-    llm.scheduler.schedule = counted_schedule
+    """The loop of LLM._step with lookahead 1 around the real scheduler; every row samples token 1."""
+    scheduler = Scheduler(BlockManager(num_blocks, 256, True), 512, 16384)
     for seq in reference_sequences():
-        llm.scheduler.waiting.append(seq)
-    llm._run(tqdm(disable=True), lookahead=1)
-    assert llm.block_manager.num_free_blocks == num_blocks and not deque(llm.scheduler.running)
-    print(f"reference workload, {num_blocks} KV blocks, overlap on: {counts['prefill']} prefill steps, "
-          f"{counts['decode']} decode steps, {counts['drains']} drains, {llm.scheduler.num_preemptions} preemptions")
+        scheduler.waiting.append(seq)
+    in_flight, drains = deque(), 0
+    while scheduler.waiting or scheduler.running or in_flight:
+        batch = scheduler.schedule()
+        if batch is not None:
+            in_flight.append(batch)
+        else:
+            drains += 1
+        if len(in_flight) > 1 or (batch is None and in_flight):
+            done = in_flight.popleft()
+            scheduler.update(done, [1] * len(done.rows))
+    assert scheduler.block_manager.num_free_blocks == num_blocks
+    steps = dict(scheduler.steps)
+    print(f"reference workload, {num_blocks} KV blocks, overlap on: steps {steps}, {drains} drains, "
+          f"{scheduler.num_preemptions} preemptions")
 
 
 if __name__ == "__main__":

@@ -63,11 +63,11 @@ if __name__ == "__main__":
                   max_model_len=max(4096, args.context), **engine_args)
     step = decode_step(args.batch, args.context, llm.runner.block_size)
     for _ in range(5):
-        llm.runner.forward(step)
+        llm.runner.run(step)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(REPLAYS):
-            llm.runner.forward(step)
+            llm.runner.run(step)
             torch.cuda.synchronize()  # a gap between replays: where one ends is unambiguous
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)

@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from nanograph.engine.step import StepInput, StepShape
+from nanograph.engine.step import StepBuffers, StepInput, StepShape
 from nanograph.layers.lora_slots import rank_buckets
 
 log = logging.getLogger("nanograph")
@@ -129,8 +129,8 @@ class GraphStats:
 
 
 class CudaGraphRunner:
-    def __init__(self, config, forward):
-        """`forward(shape)`: the model runner's step on its static buffers (model_runner.py)."""
+    def __init__(self, config, forward, buffers: StepBuffers):
+        """`forward(shape)`: the model runner's step on its static `buffers` (model_runner.py)."""
         max_bs = config.cuda_graph_max_bs or min(config.max_num_seqs, 512)
         ladder = config.cuda_graph_sizes or bucket_ladder(max_bs)
         # no decode batch is larger than max_num_seqs
@@ -141,7 +141,7 @@ class CudaGraphRunner:
             self.grid = mixed_grid(self.ladder, config.max_num_mixed_tokens)
         self.stats = GraphStats()
         self.graphs: dict[StepShape, torch.cuda.CUDAGraph] = {}
-        self.capture(forward)
+        self.capture(forward, buffers)
 
     def stats_dict(self) -> dict:
         return {"cuda_graph_sizes": self.ladder,
@@ -153,7 +153,7 @@ class CudaGraphRunner:
                 **self.stats.as_dict()}
 
     @torch.inference_mode()
-    def capture(self, forward) -> None:
+    def capture(self, forward, buffers: StepBuffers) -> None:
         start, pool = time.perf_counter(), torch.cuda.graph_pool_handle()
         torch.cuda.synchronize()
         reserved, allocated = torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
@@ -162,6 +162,7 @@ class CudaGraphRunner:
         shapes += [mixed_shape(d, p) for d, p in self.grid]
         shapes.sort(key=lambda s: (s.tokens, s.decodes, s.lora_rank), reverse=True)  # largest first
         for i, shape in enumerate(tqdm(shapes, desc="Capturing CUDA graphs", leave=False)):
+            buffers.fill(StepInput(), shape)  # every row padding
             forward(shape)  # warm-up: compile, autotune, allocate workspaces outside the graph
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()

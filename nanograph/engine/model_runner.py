@@ -85,7 +85,7 @@ class ModelRunner:
         self.graphs = None  # "no graphs" has one spelling: this stays None (run works before capture)
         self.num_kv_blocks = self.allocate_kv_cache()
         if self.device.type == "cuda" and not config.enforce_eager and config.cuda_graph_max_bs != 0:
-            self.graphs = CudaGraphRunner(config, self.forward)
+            self.graphs = CudaGraphRunner(config, self.forward, self.buffers)
 
     # ---- KV cache ------------------------------------------------------------------------
     def allocate_kv_cache(self) -> int:
@@ -151,25 +151,24 @@ class ModelRunner:
         """The step laid out by `shape` in the static buffers: the model, then the logits and
         sampled ids of its sampling rows (into `self.logits` / `self.sampled`, and the token
         table). What a CUDA graph records and replays."""
-        dev = self.buffers.dev
-        tokens, seqs, rows = shape.tokens, shape.seqs, shape.rows
+        inputs = self.buffers.views(shape)
         md = StepMetadata(num_decodes=shape.decodes,
-                          slot_mapping=dev["slot_mapping"][:tokens],
-                          context_lens=dev["context_lens"][:seqs],
-                          block_tables=dev["block_tables"][:seqs],
+                          slot_mapping=inputs["slot_mapping"],
+                          context_lens=inputs["context_lens"],
+                          block_tables=inputs["block_tables"],
                           lora_rank=shape.lora_rank,
-                          lora_slots=dev["lora_slots"][:tokens])
+                          lora_slots=inputs["lora_slots"])
         if shape.chunks:
-            md.cu_seqlens_q = dev["cu_seqlens_q"][:shape.chunks + 1]
-            md.max_seqlen_q = shape.max_chunk
+            md.cu_seqlens_q, md.max_seqlen_q = inputs["cu_seqlens_q"], shape.max_chunk
         set_step_metadata(md)
-        hidden = self.model(self.tokens.resolve(dev["input_ids"][:tokens]), dev["positions"][:tokens])
+        hidden = self.model(self.tokens.resolve(inputs["input_ids"]), inputs["positions"])
         set_step_metadata(None)
         if shape.prefill_tokens:  # only the tokens that sample go through the LM head
-            hidden = hidden[dev["sample_indices"][:rows]]
+            hidden = hidden[inputs["sample_indices"]]
+        rows = shape.rows
         self.logits[:rows] = self.model.compute_logits(hidden)
-        self.sampled[:rows] = sample_softmax(self.logits[:rows], dev["temperatures"][:rows],
-                                             dev["seeds"][:rows], dev["sample_lens"][:rows])
+        self.sampled[:rows] = sample_softmax(self.logits[:rows], inputs["temperatures"], inputs["seeds"],
+                                             inputs["sample_lens"])
         self.tokens.put(self.sampled[:rows])
 
     @torch.inference_mode()
@@ -188,21 +187,21 @@ class ModelRunner:
         rows = len(step.temperatures)
         logits, sampled = self.logits[:rows], self.sampled[:rows]
         if step.top_ks is not None or step.banned_rows:  # the filters the forward leaves out
-            sampled = self.resample(step, logits)
+            sampled = self.resample(step, logits, self.buffers.views(shape))
         if step.copy_from:  # forks' copies of their parent's partial block, once it is computed
             src = self.upload(step.copy_from, torch.int64)
             self.kv_cache[:, :, self.upload(step.copy_to, torch.int64)] = self.kv_cache[:, :, src]
         return logits, sampled
 
-    def resample(self, step: StepInput, logits: torch.Tensor) -> torch.Tensor:
-        dev, rows = self.buffers.dev, len(step.temperatures)
+    def resample(self, step: StepInput, logits: torch.Tensor, inputs: dict) -> torch.Tensor:
+        rows = len(step.temperatures)
         top = banned = None
         if step.top_ks is not None:
             top = (self.upload(step.top_ks, torch.int64), self.upload(step.top_ps, torch.float32))
         if step.banned_rows:
             banned = (self.upload(step.banned_rows, torch.int64), self.upload(step.banned_ids, torch.int64))
-        sampled = sample(logits, dev["temperatures"][:rows], dev["seeds"][:rows], dev["sample_lens"][:rows],
-                         top=top, banned=banned)
+        sampled = sample(logits, inputs["temperatures"][:rows], inputs["seeds"][:rows],
+                         inputs["sample_lens"][:rows], top=top, banned=banned)
         self.tokens.put(sampled)
         return sampled
 

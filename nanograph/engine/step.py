@@ -123,12 +123,14 @@ def build_step(batch: Batch, block_size: int) -> StepInput:
 
 
 class StepBuffers:
-    """A step's inputs on the device, as views into one flat int32 tensor, filled from a pinned
-    host mirror (numpy views, cheap to fill) with one non-blocking copy.
+    """A step's inputs on the device: one flat int32 tensor, filled from a pinned host mirror with
+    one non-blocking copy. Its fields lie back to back, each as long as the step's shape needs
+    (tokens, sequences, rows), so a small step copies a few hundred bytes; a CUDA graph replays the
+    views of its own shape, whose offsets never change.
 
-    There are two mirrors, used in turn: with overlap scheduling the host fills step N+1 while
-    step N's copy may not have run yet; step N-1, which used the other mirror, has been collected
-    by then, so that mirror is free."""
+    There are two host mirrors, used in turn: with overlap scheduling the host fills step N+1
+    while step N's copy may not have run yet; step N-1, which used the other mirror, has been
+    collected by then, so that mirror is free."""
 
     # field -> (what it is per, its value in padding): token 0 at position 0, no cache slot, no
     # adapter, no context, greedy; a padded chunk has length 0 (it ends where the last real one does)
@@ -139,58 +141,61 @@ class StepBuffers:
 
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, device):
         self.max_blocks = max_blocks
-        self.lengths = {"token": max_tokens, "seq": max_seqs, "row": max_seqs, "chunk": max_seqs + 1}
-        self.table_start = sum(self.lengths[per] for per, _ in self.FIELDS.values())
-        size = self.table_start + max_seqs * max_blocks
+        largest = StepShape(decodes=max_tokens, chunks=max_seqs, rows=max_seqs)
+        size = self.layout(largest)[1] + max_seqs * max_blocks
         self.device_flat = torch.zeros(size, dtype=torch.int32, device=device)
         pin = torch.device(device).type == "cuda"
         self.host_flats = [torch.zeros(size, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
-        self.hosts = [{name: view.numpy() for name, view in self.views(flat).items()}
-                      for flat in self.host_flats]
-        self.dev = self.views(self.device_flat)
         self.turn = 0
-        for name, (_, pad) in self.FIELDS.items():  # what the captures run on: all rows padding
-            self.dev[name].fill_(pad or 0)
 
-    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        views, start = {}, 0
+    def layout(self, shape: StepShape) -> tuple[dict[str, slice], int]:
+        """Where each field of a step of `shape` lies, and where the block tables start."""
+        lengths = {"token": shape.tokens, "seq": shape.seqs, "row": shape.rows, "chunk": shape.chunks + 1}
+        slices, start = {}, 0
         for name, (per, _) in self.FIELDS.items():
-            views[name] = flat[start:start + self.lengths[per]]
-            start += self.lengths[per]
+            slices[name] = slice(start, start + lengths[per])
+            start += lengths[per]
+        return slices, start
+
+    def views(self, shape: StepShape, flat: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """The fields of a step of `shape`, as views of `flat` (default: the device tensor)."""
+        flat = self.device_flat if flat is None else flat
+        slices, start = self.layout(shape)
+        views = {name: flat[where] for name, where in slices.items()}
         views["temperatures"] = views["temperatures"].view(torch.float32)
-        views["block_tables"] = flat[self.table_start:].view(-1, self.max_blocks)
+        views["block_tables"] = flat[start:start + shape.seqs * self.max_blocks].view(shape.seqs, self.max_blocks)
         return views
 
     def fill(self, step: StepInput, shape: StepShape) -> None:
         """Copy `step` into the layout of `shape`, padding what it does not fill."""
-        host, flat = self.hosts[self.turn], self.host_flats[self.turn]
+        flat = self.host_flats[self.turn]
         self.turn ^= 1
+        host = {name: view.numpy() for name, view in self.views(shape, flat).items()}
         n, d = step.num_decodes, shape.decodes
         values = {"lora_slots": step.lora_slots or [-1] * len(step.input_ids),
                   "sample_indices": [i if i < n else i - n + d for i in step.sample_indices]}
-        ends = {"token": shape.tokens, "seq": shape.seqs}
         for name, (per, pad) in self.FIELDS.items():
             live = values[name] if name in values else getattr(step, name)
             view = host[name]
             if per == "row":
                 view[:len(live)] = live
-                view[len(live):shape.rows] = pad
+                view[len(live):] = pad
             elif per != "chunk":  # the decode part at 0, the prefill part at d
                 rest = live[n:]
                 view[:n] = live[:n]
                 view[n:d] = pad
                 view[d:d + len(rest)] = rest
-                view[d + len(rest):ends[per]] = pad
-        if shape.chunks:  # the chunks' offsets within the prefill part
-            offsets = [offset - n for offset in step.cu_seqlens_q[n:]]
-            host["cu_seqlens_q"][:len(offsets)] = offsets
-            host["cu_seqlens_q"][len(offsets):shape.chunks + 1] = offsets[-1]
-        tables, width = step.block_tables, len(step.block_tables[0])
+                view[d + len(rest):] = pad
+        offsets = [offset - n for offset in step.cu_seqlens_q[n:]]  # within the prefill part
+        host["cu_seqlens_q"][:len(offsets)] = offsets
+        host["cu_seqlens_q"][len(offsets):] = offsets[-1]
+        tables = step.block_tables
+        host["block_tables"][:] = -1  # past each table, and the padded sequences' (never read)
         if n:
-            host["block_tables"][:n, :width] = tables[:n]
+            host["block_tables"][:n, :len(tables[0])] = tables[:n]
         if len(tables) > n:
-            host["block_tables"][d:d + len(tables) - n, :width] = tables[n:]
-        end = self.table_start + shape.seqs * self.max_blocks
+            host["block_tables"][d:d + len(tables) - n, :len(tables[0])] = tables[n:]
+        end = self.layout(shape)[1] + shape.seqs * self.max_blocks
         self.device_flat[:end].copy_(flat[:end], non_blocking=True)
 
 
