@@ -14,8 +14,8 @@ from nanograph.layers.norm import rms_norm
 
 
 def rope_frequencies(head_dim: int, rope: dict) -> torch.Tensor:
-    theta = rope.get("rope_theta", 10000.0)
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    inv_freq = 1.0 / (rope.get("rope_theta", 10000.0)
+                      ** (torch.arange(0, head_dim, 2).float() / head_dim))
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind == "default":
         return inv_freq

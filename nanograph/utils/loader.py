@@ -34,8 +34,9 @@ def resolve_model_dir(model: str, weights: bool = True) -> str:
     try:
         return snapshot_download(model, allow_patterns=patterns)
     except Exception as e:  # offline, unknown repo, gated...: all end the same way for the user
-        raise ValueError(f"model {model!r}: not a local directory and could not be fetched from "
-                         f"the hub ({type(e).__name__}: {e})") from None
+        raise ValueError(
+            f"model {model!r}: not a local directory and could not be fetched from the hub "
+            f"({type(e).__name__}: {e})") from None
 
 
 def weight_files(model_dir: str) -> list[str]:
@@ -73,8 +74,8 @@ def read_tensors(file: str):
             for name in f.keys():
                 yield name, f.get_tensor(name)
     except (SafetensorError, OSError) as e:
-        raise ValueError(f"cannot read {file!r} (truncated or not a safetensors file?): "
-                         f"{e}") from None
+        raise ValueError(
+            f"cannot read {file!r} (truncated or not a safetensors file?): {e}") from None
 
 
 def load_weights(model: nn.Module, model_dir: str) -> None:
@@ -84,8 +85,8 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
                          "(use load_format='dummy' for random weights)")
     expected = expected_tensors(model)
     # names that share a tensor with another parameter (a tied LM head)
-    all_names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-    aliases = all_names - {n for n, _ in model.named_parameters()}
+    aliases = ({n for n, _ in model.named_parameters(remove_duplicate=False)}
+               - {n for n, _ in model.named_parameters()})
     seen = set()
     sharded = dist.is_initialized() and dist.get_world_size() > 1
     for file in files:
