@@ -5,7 +5,11 @@
   ("flash-decoding") over the paged cache; at small batch one kernel also rotates and stores.
 - ``paged_prefill.paged_prefill_attention``: packed variable-length prefill
   (causal, bottom-right aligned) over the paged cache.
-- ``gemv.gemv``: the linear layers of a small decode batch, with the norm before them folded in.
+- ``tiles``: the K/V tile load and the online-softmax step both attention kernels repeat.
+- ``gemv.gemv``: the linear layers of a decode batch of up to 16 rows (a GEMV for one or two,
+  a tensor-core kernel above), with the norm before them and the LoRA delta folded in.
+- ``bgmv.lora_shrink``, ``bgmv.lora_expand``: the multi-LoRA delta, each row gathering its own
+  adapter by slot.
 - ``pdl``: programmatic dependent launch, which lets each of these kernels start (and load its
   weights) while the one before it finishes.
 

@@ -1,38 +1,37 @@
 """The multi-LoRA delta of a step on CUDA: y[t] += B[s] (A[s] x[t]), s = the row's slot.
 
-BGMV (batched gather matrix-vector, as in Punica): every row of the step may use another adapter,
-so there is no shared weight to batch a GEMM over. Instead each row's programs gather their own
-adapter's weights by the row's slot (`token_slots[t]`) and do a matrix-vector product with them.
-The adapters live in `max_loras` slots of stacked, zero-padded weights (lora_a [S, P, R, K],
-lora_b [S, N, R], the scaling folded into B), so gathering is an index into the slot dimension. In decode the
-few adapters of a step are read once from DRAM and then from L2 by every row that uses them.
+BGMV (batched gather matrix-vector, as in Punica): every row of the step may use another
+adapter, so there is no shared weight to batch a GEMM over. Instead each row's programs gather
+their own adapter's weights by the row's slot (`token_slots[t]`) and do a matrix-vector product
+with them. The adapters live in `max_loras` slots of stacked, zero-padded weights (lora_a
+[S, P, R, K], lora_b [S, N, R], the scaling folded into B), so gathering is an index into the
+slot dimension. In decode the few adapters of a step are read once from DRAM and then from L2
+by every row that uses them.
 
 Why two products, shrink then expand. B A is a rank-r matrix: multiplying x by A first gives r
 numbers per row and part (r is 8-64), and B expands them to N outputs: 2 (P K + N) r flops per
 row instead of the 2 K N of a materialised delta weight. The r numbers h[t, p, :] are the only
 thing both halves share, so they go through a small fp32 scratch [T, P, rank]: "shrink" (grid
-rows x parts x rank blocks) computes them, "expand" (grid rows x output tiles) reads the h of the
-part that owns each output feature (a fused layer's outputs are its parts stacked: q|k|v,
-gate|up) and adds the delta to y in fp32, rounding once. Where the product itself is the
-GEMV of gemv.py (a few rows), the GEMV does the expand as it computes y (one kernel fewer).
-There the shrink of the O and down projections also computes a fold (layers/lora_slots.py): parts
-after the layer's own whose A rows span [x | residual], K + RES_K columns, and give the h of the
-projection after the next norm (gate/up, the next layer's q/k/v) but for the norm's 1 / rms,
-which that GEMV applies; the A of the own parts is zero past K. The rank is not a tensor dimension of
-the launch but a constexpr: one compile per rank bucket (8, 16, 32, 64), and each bucket reads
-only the first `rank` columns of the R-padded weights, so a step of rank-8 adapters does not pay
-for `max_lora_rank` = 64. Columns between an adapter's own rank and the bucket are zeros, add 0.
+rows x parts x rank blocks) computes them, "expand" (grid rows x output tiles) reads the h of
+the part that owns each output feature (a fused layer's outputs are its parts stacked: q|k|v,
+gate|up) and adds the delta to y in fp32, rounding once. Where the product itself is one of
+gemv.py's kernels (a few rows), that kernel does the expand as it computes y (one kernel fewer).
+There the shrink of the O and down projections also computes a fold (layers/lora_slots.py):
+parts after the layer's own whose A rows span [x | residual], K + RES_K columns, and give the h
+of the projection after the next norm (gate/up, the next layer's q/k/v) but for the norm's
+1 / rms, which that product applies; the A of the own parts is zero past K. The rank is not a
+tensor dimension of the launch but a constexpr: one compile per rank bucket (8, 16, 32, 64), and
+each bucket reads only the first `rank` columns of the R-padded weights, so a step of rank-8
+adapters does not pay for `max_lora_rank` = 64. Columns between an adapter's own rank and the
+bucket are zeros, add 0.
 
 Rows without an adapter (slot -1: base-model requests, and the padding rows of a graph bucket)
-read no adapter weights (their masks are empty) and return right after the PDL wait: their h stays
-unwritten (the GEMV masks it by slot too) and y keeps its bits. Each program waits even when it
-returns, so the chain's ordering holds. (Measured on the H100, Qwen3-0.6B shape, rank 16: with
-the early returns a LoRA step is 2-4% faster at every batch size, even when every row has an
-adapter.)
-Nothing on the host depends on the slots: the grid comes from static shapes (T, N, K, rank),
-which makes both kernels capturable in a CUDA graph and replayable with new slots. Both join the
-PDL chain (pdl.py): the slot and the adapter weights are loaded before the wait; x,
-h and y after it.
+read no adapter weights (their masks are empty) and return right after the PDL wait: their h
+stays unwritten (the products mask it by slot too) and y keeps its bits. Each program waits
+even when it returns, so the chain's ordering holds. Nothing on the host depends on the slots:
+the grid comes from static shapes (T, N, K, rank), which makes both kernels capturable in a CUDA
+graph and replayable with new slots. Both join the PDL chain (pdl.py): the slot and the adapter
+weights are loaded before the wait; x, h and y after it.
 
 Like gemv.py, a program holds whole rows (A's [BLOCK_R, K], B's [BLOCK_N, rank]) in registers,
 and a row's result does not depend on how many rows the step has.
@@ -44,35 +43,42 @@ import triton.language as tl
 from nanograph.kernels.gemv import lora_b_tile, lora_h_tile
 from nanograph.kernels.pdl import launch_options, wait_for_previous_kernel
 
-SHRINK_TILE, EXPAND_TILE, NUM_WARPS = 8192, 4096, 4  # weight elements per program (A, B), its warps
+SHRINK_TILE = 8192  # A's weight elements a shrink program
+EXPAND_TILE = 4096  # B's weight elements an expand program
+NUM_WARPS = 4
 
 
 @triton.jit
-def _shrink_kernel(x_ptr, residual_ptr, a_ptr, h_ptr, slots_ptr, K, RES_K, stride_xt, stride_rt, stride_as, stride_ap,
-                   stride_ar, RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    """h[t, p, r] = A[slot, p, r, :] . x[t] for BLOCK_R ranks r of row t, part p. With RES_K > 0 the
-    row is [x[t] | residual[t]], K + RES_K columns (a fold, layers/lora_slots.py; the A of the layer's
-    own parts is zero past K)."""
-    t, p = tl.program_id(0), tl.program_id(1)
+def _shrink_kernel(x_ptr, residual_ptr, a_ptr, h_ptr, slots_ptr, K, RES_K,
+                   stride_xt, stride_rt, stride_as, stride_ap, stride_ar,
+                   RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                   PDL: tl.constexpr):
+    """h[t, p, r] = A[slot, p, r, :] . x[t] for BLOCK_R ranks r of row t, part p. With RES_K > 0
+    the row is [x[t] | residual[t]], K + RES_K columns (a fold, layers/lora_slots.py; the A of
+    the layer's own parts is zero past K)."""
+    t = tl.program_id(0)
+    p = tl.program_id(1)
     ranks = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_K)
     slot = tl.load(slots_ptr + t).to(tl.int64)
-    mask = (ranks[:, None] < RANK * (slot >= 0)) & (cols[None, :] < K + RES_K)  # no ranks at all without an adapter
-    a = tl.load(a_ptr + slot * stride_as + p * stride_ap + ranks[:, None] * stride_ar + cols[None, :], mask=mask,
-                other=0.0)
+    # no ranks at all without an adapter
+    mask = (ranks[:, None] < RANK * (slot >= 0)) & (cols[None, :] < K + RES_K)
+    a = tl.load(a_ptr + slot * stride_as + p * stride_ap + ranks[:, None] * stride_ar
+                + cols[None, :], mask=mask, other=0.0)
     wait_for_previous_kernel(PDL)
     if slot < 0:
         return
     x = tl.load(x_ptr + t * stride_xt + cols, mask=cols < K, other=0.0)
-    x += tl.load(residual_ptr + t * stride_rt + cols - K, mask=(cols >= K) & (cols < K + RES_K), other=0.0)
+    x += tl.load(residual_ptr + t * stride_rt + cols - K, mask=(cols >= K) & (cols < K + RES_K),
+                 other=0.0)
     h = tl.sum(a.to(tl.float32) * x.to(tl.float32)[None, :], 1)
     tl.store(h_ptr + (t * tl.num_programs(1) + p) * RANK + ranks, h, mask=ranks < RANK)
 
 
 @triton.jit
 def _expand_kernel(h_ptr, b_ptr, slots_ptr, y_ptr, N, stride_ht, stride_bs, stride_bn, stride_yt,
-                   PART_STARTS: tl.constexpr, RANK: tl.constexpr, RANK_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                   PDL: tl.constexpr):
+                   PART_STARTS: tl.constexpr, RANK: tl.constexpr, RANK_PAD: tl.constexpr,
+                   BLOCK_N: tl.constexpr, PDL: tl.constexpr):
     """y[t, o] += B[slot, o, :RANK] . h[t, part(o)] for BLOCK_N outputs o of row t."""
     t = tl.program_id(0)
     outs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -81,41 +87,47 @@ def _expand_kernel(h_ptr, b_ptr, slots_ptr, y_ptr, N, stride_ht, stride_bs, stri
     wait_for_previous_kernel(PDL)
     if slot < 0:
         return
-    delta = tl.sum(b.to(tl.float32) * lora_h_tile(h_ptr + t * stride_ht, slot, outs, PART_STARTS, RANK, RANK_PAD), 1)
+    h = lora_h_tile(h_ptr + t * stride_ht, slot, outs, PART_STARTS, RANK, RANK_PAD)
+    delta = tl.sum(b.to(tl.float32) * h, 1)
     y = tl.load(y_ptr + t * stride_yt + outs, mask=outs < N)
     tl.store(y_ptr + t * stride_yt + outs, (y.to(tl.float32) + delta).to(y.dtype), mask=outs < N)
 
 
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor, rank: int,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
-    """h [T, P, rank] float32, h[t, p] = lora_a[s, p, :rank] x[t] with s = token_slots[t] (rows with
-    slot -1 are left unwritten). x: [T, K]; lora_a: [S, P, R, K (+ residual's width)]; token_slots:
-    [T] int32; 1 <= rank <= R: only the first `rank` rank columns are read (one compile per value).
-    With a residual [T, K2] every part multiplies [x | residual] (a fold, layers/lora_slots.py; the
-    layer's own parts are zero past K)."""
-    (num_rows, k), res_k = x.shape, 0 if residual is None else residual.shape[1]
-    assert x.stride(-1) == lora_a.stride(-1) == 1 and lora_a.shape[3] == k + res_k and 1 <= rank <= lora_a.shape[2]
+    """h [T, P, rank] float32, h[t, p] = lora_a[s, p, :rank] x[t] with s = token_slots[t] (rows
+    with slot -1 are left unwritten). x: [T, K]; lora_a: [S, P, R, K (+ residual's width)];
+    token_slots: [T] int32; 1 <= rank <= R: only the first `rank` rank columns are read (one
+    compile per value). With a residual [T, K2] every part multiplies [x | residual] (a fold,
+    layers/lora_slots.py; the layer's own parts are zero past K)."""
+    num_rows, k = x.shape
+    res_k = 0 if residual is None else residual.shape[1]
+    assert x.stride(-1) == lora_a.stride(-1) == 1 and lora_a.shape[3] == k + res_k
+    assert 1 <= rank <= lora_a.shape[2]
     h = torch.empty(num_rows, lora_a.shape[1], rank, dtype=torch.float32, device=x.device)
     block_k = triton.next_power_of_2(k + res_k)
     block_r = max(1, min(triton.next_power_of_2(rank), SHRINK_TILE // block_k))
     r = x if residual is None else residual
     _shrink_kernel[(num_rows, lora_a.shape[1], triton.cdiv(rank, block_r))](
-        x, r, lora_a, h, token_slots, k, res_k, x.stride(0), r.stride(0), lora_a.stride(0), lora_a.stride(1),
-        lora_a.stride(2), RANK=rank, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=NUM_WARPS,
+        x, r, lora_a, h, token_slots, k, res_k,
+        x.stride(0), r.stride(0), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
+        RANK=rank, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=NUM_WARPS,
         **launch_options(x.device))
     return h
 
 
 def lora_expand(y: torch.Tensor, h: torch.Tensor, lora_b: torch.Tensor, token_slots: torch.Tensor,
                 part_starts: tuple[int, ...]) -> None:
-    """In place: y[t, o] += lora_b[s, o, :rank] h[t, part(o)] for every row t with s = token_slots[t]
-    >= 0 (rows with -1 are left untouched). y: [T, N]; h: [T, P, rank] (lora_shrink's); lora_b:
-    [S, N, R] (scaling folded in); part_starts: P ints, where each part's outputs start (the first is 0)."""
-    (num_rows, n), rank = y.shape, h.shape[2]
+    """In place: y[t, o] += lora_b[s, o, :rank] h[t, part(o)] for every row t with s =
+    token_slots[t] >= 0 (rows with -1 are left untouched). y: [T, N]; h: [T, P, rank]
+    (lora_shrink's); lora_b: [S, N, R] (scaling folded in); part_starts: P ints, where each
+    part's outputs start (the first is 0)."""
+    num_rows, n = y.shape
+    rank = h.shape[2]
     assert y.stride(-1) == lora_b.stride(-1) == 1 and h.shape[:2] == (num_rows, len(part_starts))
     rank_pad = triton.next_power_of_2(rank)
     block_n = max(1, min(EXPAND_TILE // rank_pad, triton.next_power_of_2(n)))
     _expand_kernel[(num_rows, triton.cdiv(n, block_n))](
         h, lora_b, token_slots, y, n, h.stride(0), lora_b.stride(0), lora_b.stride(1), y.stride(0),
-        PART_STARTS=tuple(part_starts), RANK=rank, RANK_PAD=rank_pad, BLOCK_N=block_n, num_warps=NUM_WARPS,
-        **launch_options(y.device))
+        PART_STARTS=tuple(part_starts), RANK=rank, RANK_PAD=rank_pad, BLOCK_N=block_n,
+        num_warps=NUM_WARPS, **launch_options(y.device))

@@ -33,10 +33,12 @@ from nanograph.kernels.pdl import launch_options, wait_for_previous_kernel
 
 @triton.jit
 def rotary_angles(cos_ptr, sin_ptr, pos, stride_rope, half, D_PAD: tl.constexpr):
-    """cos and sin [1, D_PAD] of position pos for every channel (channels i and i + half share one)."""
+    """cos and sin [1, D_PAD] of position pos for every channel (channels i and i + half share
+    one)."""
     dims = tl.arange(0, D_PAD)[None, :]
     offs = pos * stride_rope + dims % half
-    return tl.load(cos_ptr + offs, mask=dims < 2 * half), tl.load(sin_ptr + offs, mask=dims < 2 * half)
+    return (tl.load(cos_ptr + offs, mask=dims < 2 * half),
+            tl.load(sin_ptr + offs, mask=dims < 2 * half))
 
 
 @triton.jit
@@ -47,7 +49,8 @@ def norm_rotate(ptr, stride_h, num_heads, w_ptr, eps, cos, sin, half,
     store it back."""
     heads = tl.arange(0, H_PAD)[:, None]
     dims = tl.arange(0, D_PAD)[None, :]
-    partner = (dims + half) % (2 * half)  # rotary turns the pair (i, i + half): each channel needs the other
+    # rotary turns the pair (i, i + half): each channel needs the other
+    partner = (dims + half) % (2 * half)
     mask = (heads < num_heads) & (dims < 2 * half)
     x = tl.load(ptr + heads * stride_h + dims, mask=mask, other=0.0)
     x_partner = tl.load(ptr + heads * stride_h + partner, mask=mask, other=0.0)
@@ -57,7 +60,8 @@ def norm_rotate(ptr, stride_h, num_heads, w_ptr, eps, cos, sin, half,
         inv_rms = tl.rsqrt(tl.sum(a * a, 1) / (2 * half) + eps)[:, None]
         x = tl.load(w_ptr + dims, mask=dims < 2 * half) * (a * inv_rms).to(dtype)
         x_partner = tl.load(w_ptr + partner, mask=dims < 2 * half) * (b * inv_rms).to(dtype)
-    cos, sin = cos.to(dtype), sin.to(dtype)
+    cos = cos.to(dtype)
+    sin = sin.to(dtype)
     return x * cos + x_partner * tl.where(dims < half, -sin, sin), heads, dims, mask
 
 
@@ -67,25 +71,27 @@ def _rotate_and_store_kernel(
     q_out_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh,
     stride_rope, stride_cache_slot, stride_cache_head, num_q_heads, num_kv_heads, half,
-    HAS_NORM: tl.constexpr, HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr, D_PAD: tl.constexpr, PDL: tl.constexpr,
+    HAS_NORM: tl.constexpr, HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr, D_PAD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     token = tl.program_id(0)
     cos, sin = rotary_angles(cos_ptr, sin_ptr, tl.load(pos_ptr + token), stride_rope, half, D_PAD)
     wait_for_previous_kernel(PDL)  # positions and the tables are inputs; q, k, v are not
 
-    q, heads, dims, mask = norm_rotate(q_ptr + token * stride_qn, stride_qh, num_q_heads, q_w_ptr, eps, cos, sin,
-                                       half, HAS_NORM, HQ_PAD, D_PAD)
+    q, heads, dims, mask = norm_rotate(q_ptr + token * stride_qn, stride_qh, num_q_heads, q_w_ptr,
+                                       eps, cos, sin, half, HAS_NORM, HQ_PAD, D_PAD)
     tl.store(q_out_ptr + token * stride_on + heads * stride_oh + dims, q, mask=mask)
 
     # int64: slot * stride_cache_slot exceeds 2**31 for caches above 2G elements.
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot < 0:
         return
-    k, heads, dims, mask = norm_rotate(k_ptr + token * stride_kn, stride_kh, num_kv_heads, k_w_ptr, eps, cos, sin,
-                                       half, HAS_NORM, HKV_PAD, D_PAD)
+    k, heads, dims, mask = norm_rotate(k_ptr + token * stride_kn, stride_kh, num_kv_heads, k_w_ptr,
+                                       eps, cos, sin, half, HAS_NORM, HKV_PAD, D_PAD)
     dst = slot * stride_cache_slot + heads * stride_cache_head + dims
     tl.store(k_cache_ptr + dst, k, mask=mask)
-    tl.store(v_cache_ptr + dst, tl.load(v_ptr + token * stride_vn + heads * stride_vh + dims, mask=mask), mask=mask)
+    tl.store(v_cache_ptr + dst,
+             tl.load(v_ptr + token * stride_vn + heads * stride_vh + dims, mask=mask), mask=mask)
 
 
 def rotate_and_store(q, k, v, positions, cos, sin, q_weight, k_weight, eps: float,
@@ -101,7 +107,8 @@ def rotate_and_store(q, k, v, positions, cos, sin, q_weight, k_weight, eps: floa
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     has_norm = q_weight is not None
     _rotate_and_store_kernel[(num_tokens,)](
-        q, k, v, positions, cos, sin, q_weight if has_norm else cos, k_weight if has_norm else cos, eps,
+        q, k, v, positions, cos, sin,
+        q_weight if has_norm else cos, k_weight if has_norm else cos, eps,
         q_out, k_cache, v_cache, slot_mapping,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         q_out.stride(0), q_out.stride(1), cos.stride(0), k_cache.stride(1), k_cache.stride(2),

@@ -66,9 +66,10 @@ def _prefill_kernel(
     # One past the last key visible to the last query of this block.
     kv_end = tl.minimum(context_len, context_len - q_len + (q_block + 1) * BLOCK_M)
     for kv_start in range(0, kv_end, BLOCK_N):
-        keys, k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt, kv_start, kv_end,
-                                  kv_head, dims, dim_mask, stride_cache_block, stride_cache_slot, stride_cache_head,
-                                  BLOCK_SIZE, BLOCK_N)
+        keys, k, v = load_kv_tile(
+            k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt, kv_start, kv_end,
+            kv_head, dims, dim_mask, stride_cache_block, stride_cache_slot, stride_cache_head,
+            BLOCK_SIZE, BLOCK_N)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
         # Causal mask; it also hides keys >= kv_end from every real query.
         scores = tl.where(keys[None, :] <= q_pos[:, None], scores, float("-inf"))

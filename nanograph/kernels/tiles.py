@@ -23,7 +23,8 @@ def load_kv_tile(k_cache_ptr, v_cache_ptr, table_ptr, first_key, key_end, kv_hea
     offs = (block * stride_cache_block + (keys % BLOCK_SIZE) * stride_cache_slot
             + kv_head * stride_cache_head)[:, None] + dims[None, :]
     mask = (keys < key_end)[:, None] & dim_mask[None, :]
-    return keys, tl.load(k_cache_ptr + offs, mask=mask, other=0.0), tl.load(v_cache_ptr + offs, mask=mask, other=0.0)
+    return (keys, tl.load(k_cache_ptr + offs, mask=mask, other=0.0),
+            tl.load(v_cache_ptr + offs, mask=mask, other=0.0))
 
 
 @triton.jit

@@ -19,7 +19,8 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_size = vocab_size
         self.part = -(-vocab_size // tp_size())
         self.start = tp_rank() * self.part
-        self.weight = parameter(torch.zeros(self.part, dim), self.weight_loader)  # the last part may be padded
+        # the last part may be padded
+        self.weight = parameter(torch.zeros(self.part, dim), self.weight_loader)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         rows = loaded[self.start:self.start + self.part]

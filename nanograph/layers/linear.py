@@ -17,12 +17,9 @@ On CUDA, products of up to 16 rows (decode at small batch) go to kernels/gemv.py
 the weights inside the PDL chain and can apply a deferred RMSNorm to its input (layers/norm.py);
 larger ones go to cuBLAS. gemv.py has two kernels. The GEMV reduces each row on CUDA cores, at
 least one FMA per weight and row, and holds whole rows (next_pow2(K) elements) in registers: the
-fastest at one row, and at two where the model's widest input K is at most 4,096 (Qwen3-0.6B:
-0.756 ms a step at batch 2 against 0.890 on tensor cores; Llama-3.2-1B, K = 8,192: 1.034 against
-0.987). The tensor-core kernel makes the extra rows almost free and wins from there to 16 rows on
-every shape measured, against the GEMV and cuBLAS alike (tensor-core batch 4 / batch 1: Qwen3-8B
-4.412 / 3.929 ms, 1.12x, where cuBLAS took 4.756; Qwen3-0.6B 0.973 against the GEMV's 1.166;
-bench.py --decode-sweep's step, H200, README "Decode step by batch size").
+fastest at one row, and at two where the model's widest input K is at most 4,096
+(`gemv_max_rows`). The tensor-core kernel makes the extra rows almost free and takes the rest,
+up to 16 rows. Where the rules come from: docs/experiments.md ("GEMV and tensor-core products").
 """
 import torch
 import torch.distributed as dist
@@ -39,27 +36,31 @@ def gemv_max_rows(widest_input: int) -> int:
 
 
 def use_gemv(x: torch.Tensor | DeferredNorm) -> bool:
-    """gemv.py's kernels, not cuBLAS. A DeferredNorm is only ever made for them (models/decoder.py decides)."""
+    """gemv.py's kernels, not cuBLAS. A DeferredNorm is only ever made for them (models/decoder.py
+    decides)."""
     return isinstance(x, DeferredNorm) or (x.is_cuda and x.shape[0] <= 16)
 
 
 def linear(x: torch.Tensor | DeferredNorm, weight: torch.Tensor, bias: torch.Tensor | None = None,
            silu_and_mul: bool = False, layer=None, residual: torch.Tensor | None = None,
            gemv_rows: int = 2) -> torch.Tensor:
-    """x W^T + bias, plus each row's LoRA delta when `layer` is a LoRA target (layers/lora_slots.py).
-    gemv.py's kernels also take a DeferredNorm as x and can apply the MLP's activation to a [gate | up]
-    product (the cuBLAS path leaves that to the caller); they add the delta themselves.
-    `gemv_rows`: up to how many rows the CUDA-core GEMV runs (the model's `gemv_max_rows`)."""
+    """x W^T + bias, plus each row's LoRA delta when `layer` is a LoRA target
+    (layers/lora_slots.py). gemv.py's kernels also take a DeferredNorm as x and can apply the
+    MLP's activation to a [gate | up] product (the cuBLAS path leaves that to the caller); they
+    add the delta themselves. `gemv_rows`: up to how many rows the CUDA-core GEMV runs (the
+    model's `gemv_max_rows`)."""
     if not use_gemv(x):
         return linear_with_lora(x, weight, bias, layer)
     from nanograph.kernels.gemv import gemv
-    lora, x = lora_inputs(x, layer, residual), x if isinstance(x, DeferredNorm) else DeferredNorm(x)
-    return gemv(x.x, weight, bias, silu_and_mul, x.weight, x.eps, x.residual, x.residual_out, lora,
-                tensor_cores=x.x.shape[0] > gemv_rows)
+    lora = lora_inputs(x, layer, residual)
+    norm = x if isinstance(x, DeferredNorm) else DeferredNorm(x)  # (a plain x: no norm)
+    return gemv(norm.x, weight, bias, silu_and_mul, norm.weight, norm.eps, norm.residual,
+                norm.residual_out, lora, tensor_cores=norm.x.shape[0] > gemv_rows)
 
 
 def parameter(data: torch.Tensor, weight_loader) -> nn.Parameter:
-    """A parameter that carries the `weight_loader` cutting this rank's share out of a checkpoint tensor."""
+    """A parameter that carries the `weight_loader` cutting this rank's share out of a checkpoint
+    tensor."""
     param = nn.Parameter(data)
     param.weight_loader = weight_loader
     return param
@@ -81,9 +82,11 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
         self.part_starts = (0,)  # where each fused part's outputs start on this rank
-        assert out_features % tp_size() == 0, f"{out_features} output features don't split over {tp_size()} ranks"
-        self.weight = parameter(torch.empty(out_features // tp_size(), in_features), self.weight_loader)
-        self.bias = parameter(torch.empty(out_features // tp_size()), self.weight_loader) if bias else None
+        assert out_features % tp_size() == 0, \
+            f"{out_features} output features don't split over {tp_size()} ranks"
+        rows = out_features // tp_size()
+        self.weight = parameter(torch.empty(rows, in_features), self.weight_loader)
+        self.bias = parameter(torch.empty(rows), self.weight_loader) if bias else None
 
     def shard_range(self, shard_id) -> tuple[int, int, int]:
         """(offset in the local param, rows to take, first row in the checkpoint tensor)."""
@@ -111,7 +114,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False):
         self.output_sizes = output_sizes
         super().__init__(in_features, sum(output_sizes), bias)
-        self.part_starts = tuple(sum(output_sizes[:i]) // tp_size() for i in range(len(output_sizes)))
+        self.part_starts = tuple(sum(output_sizes[:i]) // tp_size()
+                                 for i in range(len(output_sizes)))
 
     def shard_range(self, shard_id: int) -> tuple[int, int, int]:
         rows = self.output_sizes[shard_id] // tp_size()
@@ -122,20 +126,24 @@ class QKVParallelLinear(ColumnParallelLinear):
     """Fused Q, K, V projection. Query heads split evenly; KV heads split too, or are replicated
     when there are fewer KV heads than ranks (each rank then keeps the one its queries use)."""
 
-    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 bias: bool = False):
         tp = tp_size()
         assert num_heads % tp == 0, f"{num_heads} attention heads don't split over {tp} ranks"
-        assert num_kv_heads % tp == 0 or tp % num_kv_heads == 0, f"{num_kv_heads} KV heads vs {tp} ranks"
+        assert num_kv_heads % tp == 0 or tp % num_kv_heads == 0, \
+            f"{num_kv_heads} KV heads vs {tp} ranks"
         self.head_dim = head_dim
         self.total_kv_heads = num_kv_heads
         self.num_heads = num_heads // tp
         self.num_kv_heads = max(1, num_kv_heads // tp)
         super().__init__(hidden, (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp, bias)
-        q, kv = self.num_heads * head_dim, self.num_kv_heads * head_dim
+        q = self.num_heads * head_dim
+        kv = self.num_kv_heads * head_dim
         self.part_starts = (0, q, q + kv)
 
     def shard_range(self, shard_id: str) -> tuple[int, int, int]:
-        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q = self.num_heads * self.head_dim
+        kv = self.num_kv_heads * self.head_dim
         if shard_id == "q":
             return 0, q, tp_rank() * q
         # Rank r's query heads map to KV heads from r * total_kv_heads // tp on, in both the
@@ -153,16 +161,20 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
-        assert in_features % tp_size() == 0, f"{in_features} input features don't split over {tp_size()} ranks"
-        self.weight = parameter(torch.empty(out_features, in_features // tp_size()), self.weight_loader)
+        assert in_features % tp_size() == 0, \
+            f"{in_features} input features don't split over {tp_size()} ranks"
+        self.weight = parameter(torch.empty(out_features, in_features // tp_size()),
+                                self.weight_loader)
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None  # whole on every rank
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         param.data.copy_(loaded.tensor_split(tp_size(), dim=1)[tp_rank()])
 
     def load_lora(self, slot: int, shard_id, a: torch.Tensor, b: torch.Tensor) -> None:
-        """This rank's columns of A (its share of the input), all of B: the delta is a partial sum too."""
-        self.lora_a[slot, 0, :a.shape[0], :self.weight.shape[1]] = a.tensor_split(tp_size(), dim=1)[tp_rank()]
+        """This rank's columns of A (its share of the input), all of B: the delta is a partial sum
+        too."""
+        self.lora_a[slot, 0, :a.shape[0], :self.weight.shape[1]] = \
+            a.tensor_split(tp_size(), dim=1)[tp_rank()]
         self.lora_b[slot, :, :b.shape[1]] = b
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:

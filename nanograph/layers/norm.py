@@ -54,6 +54,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, defer: bool = False):
         if defer:
-            out = DeferredNorm(x, self.weight, self.eps, residual, None if residual is None else torch.empty_like(x))
+            out = DeferredNorm(x, self.weight, self.eps, residual,
+                               None if residual is None else torch.empty_like(x))  # residual_out
             return out, (x if residual is None else out.residual_out)
         return add_rms_norm(x, residual, self.weight, self.eps)

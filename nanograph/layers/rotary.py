@@ -14,7 +14,8 @@ from nanograph.layers.norm import rms_norm
 
 
 def rope_frequencies(head_dim: int, rope: dict) -> torch.Tensor:
-    inv_freq = 1.0 / (rope.get("rope_theta", 10000.0) ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    inv_freq = 1.0 / (rope.get("rope_theta", 10000.0)
+                      ** (torch.arange(0, head_dim, 2).float() / head_dim))
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind == "default":
         return inv_freq
@@ -34,7 +35,8 @@ def rope_frequencies(head_dim: int, rope: dict) -> torch.Tensor:
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # x: [tokens, heads, head_dim]; cos/sin: [tokens, head_dim / 2]
     x1, x2 = x.chunk(2, dim=-1)
-    cos, sin = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)
+    cos = cos.unsqueeze(1).to(x.dtype)
+    sin = sin.unsqueeze(1).to(x.dtype)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
@@ -43,8 +45,10 @@ def norm_and_rotate(q, k, positions, cos, sin, q_weight, k_weight, eps: float):
     attention backend's path; on CUDA the other backends run it fused with the K/V store
     (kernels/kv_store.py), or inside decode attention at small batch (kernels/paged_decode.py)."""
     if q_weight is not None:
-        q, k = rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)
-    cos, sin = cos[positions], sin[positions]
+        q = rms_norm(q, q_weight, eps)
+        k = rms_norm(k, k_weight, eps)
+    cos = cos[positions]
+    sin = sin[positions]
     return rotate(q, cos, sin), rotate(k, cos, sin)
 
 

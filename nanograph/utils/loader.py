@@ -25,17 +25,18 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 
-
 def resolve_model_dir(model: str, weights: bool = True) -> str:
     if os.path.isdir(model):
         return model
     from huggingface_hub import snapshot_download
-    patterns = ["*.json", "*.safetensors", "*.txt", "*.model"] if weights else ["*.json", "*.txt", "*.model"]
+    patterns = (["*.json", "*.safetensors", "*.txt", "*.model"] if weights
+                else ["*.json", "*.txt", "*.model"])
     try:
         return snapshot_download(model, allow_patterns=patterns)
     except Exception as e:  # offline, unknown repo, gated...: all end the same way for the user
-        raise ValueError(f"model {model!r}: not a local directory and could not be fetched from the hub "
-                         f"({type(e).__name__}: {e})") from None
+        raise ValueError(
+            f"model {model!r}: not a local directory and could not be fetched from the hub "
+            f"({type(e).__name__}: {e})") from None
 
 
 def weight_files(model_dir: str) -> list[str]:
@@ -43,16 +44,19 @@ def weight_files(model_dir: str) -> list[str]:
     if not os.path.exists(index):
         return sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
     with open(index) as f:
-        files = sorted({os.path.join(model_dir, name) for name in json.load(f)["weight_map"].values()})
+        files = sorted({os.path.join(model_dir, name)
+                        for name in json.load(f)["weight_map"].values()})
     for file in files:
         if not os.path.exists(file):
-            raise ValueError(f"model {model_dir!r}: shard {os.path.basename(file)!r}, named in {index}, is missing")
+            raise ValueError(f"model {model_dir!r}: shard {os.path.basename(file)!r}, "
+                             f"named in {index}, is missing")
     return files
 
 
 def expected_tensors(model: nn.Module) -> dict[str, tuple[nn.Parameter, object, tuple]]:
     """Checkpoint name -> (the parameter it fills, shard id, the shape the model expects of it).
-    A fused parameter expects one tensor per shard; a tied LM head is listed once, as the embedding."""
+    A fused parameter expects one tensor per shard; a tied LM head is listed once, as the
+    embedding."""
     expected = {}
     for name, param in model.named_parameters():
         module = model.get_submodule(name.rpartition(".")[0])
@@ -70,16 +74,21 @@ def read_tensors(file: str):
             for name in f.keys():
                 yield name, f.get_tensor(name)
     except (SafetensorError, OSError) as e:
-        raise ValueError(f"cannot read {file!r} (truncated or not a safetensors file?): {e}") from None
+        raise ValueError(
+            f"cannot read {file!r} (truncated or not a safetensors file?): {e}") from None
 
 
 def load_weights(model: nn.Module, model_dir: str) -> None:
     files = weight_files(model_dir)
     if not files:
-        raise ValueError(f"model {model_dir!r}: no .safetensors files (use load_format='dummy' for random weights)")
+        raise ValueError(f"model {model_dir!r}: no .safetensors files "
+                         "(use load_format='dummy' for random weights)")
     expected = expected_tensors(model)
-    aliases = {n for n, _ in model.named_parameters(remove_duplicate=False)} - {n for n, _ in model.named_parameters()}
-    seen, sharded = set(), dist.is_initialized() and dist.get_world_size() > 1
+    # names that share a tensor with another parameter (a tied LM head)
+    aliases = ({n for n, _ in model.named_parameters(remove_duplicate=False)}
+               - {n for n, _ in model.named_parameters()})
+    seen = set()
+    sharded = dist.is_initialized() and dist.get_world_size() > 1
     for file in files:
         for name, tensor in read_tensors(file):
             seen.add(name)
@@ -87,17 +96,21 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
                 continue  # named below, unless known to be unused
             param, shard, want = expected[name]
             # a parameter without a weight_loader (a norm's weight) is not sharded: copied whole
-            loader = getattr(param, "weight_loader", lambda p, loaded, shard_id: p.data.copy_(loaded))
+            loader = getattr(param, "weight_loader",
+                             lambda p, loaded, shard_id: p.data.copy_(loaded))
             try:
                 if not sharded and tuple(tensor.shape) != want:
                     raise RuntimeError
                 loader(param, tensor, shard)
-            except RuntimeError:  # with tensor parallelism: the rank's part (its expected shape) does not fit
-                raise ValueError(f"{name} in {file!r} has shape {tuple(tensor.shape)}; the model expects {want}"
-                                 + (f" (tensor-parallel rank {dist.get_rank()}'s part)" if sharded else "")) from None
-    unplaced = {n for n in seen - set(expected) - aliases if ".rotary_emb." not in n}  # rotary caches, tied head
+            except RuntimeError:  # with tensor parallelism: the rank's part does not fit
+                part = f" (tensor-parallel rank {dist.get_rank()}'s part)" if sharded else ""
+                raise ValueError(f"{name} in {file!r} has shape {tuple(tensor.shape)}; "
+                                 f"the model expects {want}{part}") from None
+    # known to be unused: rotary caches, the tied head's second name
+    unplaced = {n for n in seen - set(expected) - aliases if ".rotary_emb." not in n}
     for what, names in (("checkpoint tensor(s) the model has no place for", unplaced),
-                        ("tensor(s) the model needs, missing from the checkpoint", set(expected) - seen)):
+                        ("tensor(s) the model needs, missing from the checkpoint",
+                         set(expected) - seen)):
         if names:  # the first few by name, and how many
             raise ValueError(f"model {model_dir!r}: {len(names)} {what}: "
                              + ", ".join(sorted(names)[:5] + ["..."] * (len(names) > 5)))
