@@ -47,12 +47,16 @@ from nanograph.adapter import Adapter, LoRARequest, read_adapter
 from nanograph.config import Config
 from nanograph.engine.block_manager import BlockManager
 from nanograph.engine.model_runner import InFlight, ModelRunner
-from nanograph.engine.request import Detokenizer, Request
+from nanograph.engine.request import Request
 from nanograph.engine.scheduler import Scheduler
 from nanograph.engine.sequence import Sequence
 from nanograph.engine.tp import TensorParallelRunner
 from nanograph.layers.lora_slots import rank_buckets
 from nanograph.sampling_params import SamplingParams
+
+
+ManySamplingParams = SamplingParams | list[SamplingParams] | None  # one for all, or one each
+ManyLoRARequests = LoRARequest | list[LoRARequest | None] | None
 
 
 class LLM(contextlib.AbstractContextManager):  # `with LLM(...) as llm:` closes it at the end
@@ -78,9 +82,7 @@ class LLM(contextlib.AbstractContextManager):  # `with LLM(...) as llm:` closes 
                                    lora_ranks=tuple(rank_buckets(config.max_lora_rank)))
         self.eos_ids = self._eos_ids()
         self.adapters: dict[LoRARequest, Adapter] = {}
-        self.requests: dict[int, Request] = {}   # unfinished, by id
-        self.request_of: dict[Sequence, Request] = {}  # their sequences
-        self.aborted: list[Request] = []         # aborted since the last step: reported by the next
+        self.requests: dict[int, Request] = {}   # unfinished (and aborted, until reported), by id
         self.in_flight: deque[InFlight] = deque()
         self.request_ids = count()
         self.seq_ids = count()
@@ -172,48 +174,35 @@ class LLM(contextlib.AbstractContextManager):  # `with LLM(...) as llm:` closes 
         params = SamplingParams() if params is None else params
         prompt = self._validate(name, prompt, params)
         adapter = self._adapter(name, lora_request)
+        request_id = next(self.request_ids)
         stop_ids = frozenset(params.stop_token_ids or ()) | (frozenset() if params.ignore_eos else self.eos_ids)
         seqs = []
         for i in range(params.n):
             seq_id = next(self.seq_ids)
             # completion i's noise: its own seed + i, else one made of the engine's seed and its id
-            seed = params.seed + i if params.seed is not None else hash_seed(seq_id, self.config.seed)
-            seqs.append(Sequence(seq_id, prompt, params, self.config.kvcache_block_size, seed, stop_ids, adapter))
-        seqs[0].forks = seqs[1:]
-        detokenizers = None
-        if self.tokenizer is not None:
-            detokenizers = [Detokenizer(self.tokenizer, prompt, params.skip_special_tokens) for _ in seqs]
-        request = Request(next(self.request_ids), prompt, seqs, detokenizers)
-        for seq in seqs:
-            self.request_of[seq] = request
-        return request
-
-    def _enqueue(self, request: Request) -> None:
-        self.requests[request.request_id] = request
-        self.scheduler.waiting.append(request.seqs[0])  # its forks follow it (scheduler.py)
+            seed = xxhash.xxh32_intdigest(b"%d" % seq_id, self.config.seed) if params.seed is None else params.seed + i
+            seqs.append(Sequence(seq_id, prompt, params, self.config.kvcache_block_size, seed, stop_ids, adapter,
+                                 request_id))
+        seqs[0].forks = seqs[1:]  # computed once by the first, then forked (scheduler.py)
+        self.scheduler.waiting.append(seqs[0])
+        self.requests[request_id] = Request(request_id, prompt, seqs, self.tokenizer)
+        return self.requests[request_id]
 
     def add_request(self, prompt, sampling_params: SamplingParams | None = None,
                     lora_request: LoRARequest | None = None) -> int:
         """Queue a request (a str or token ids); returns its id. ValueError if it is bad."""
         with self.driving():
-            name = f"request {len(self.requests)} (of those unfinished)"
-            request = self._make_request(name, prompt, sampling_params, lora_request)
-            self._enqueue(request)
-            return request.request_id
+            return self._make_request("request", prompt, sampling_params, lora_request).request_id
 
     def abort_request(self, request_id: int) -> None:
         """Stop a request and free its blocks now; the next `step` reports it finished ("abort").
         An unknown or finished id is ignored."""
         with self.driving():
-            request = self.requests.get(request_id)
-            if request is not None:
-                for seq in request.seqs:
-                    self.scheduler.finish(seq, "abort")
-                self._forget(request)
-                self.aborted.append(request)
+            for seq in self.requests[request_id].seqs if request_id in self.requests else ():
+                self.scheduler.finish(seq, "abort")
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests or self.aborted)
+        return bool(self.requests)
 
     def chat_prompt(self, conversation: list[dict], chat_template_kwargs: dict | None = None) -> list[int]:
         """A conversation's token ids: the tokenizer's chat template, with the assistant's turn opened."""
@@ -230,8 +219,9 @@ class LLM(contextlib.AbstractContextManager):  # `with LLM(...) as llm:` closes 
             return [request.step_output() for request in self._step()]
 
     def _step(self) -> list[Request]:
-        """Launch the next step, collect the oldest in flight; the requests that changed."""
-        changed, self.aborted = {r.request_id: r for r in self.aborted}, []
+        """Launch the next step, collect the oldest in flight; the requests that changed (and
+        those aborted since the last step)."""
+        changed = {i: r for i, r in self.requests.items() if r.finished}
         try:
             batch = self.scheduler.schedule()
             if batch is not None:
@@ -239,64 +229,53 @@ class LLM(contextlib.AbstractContextManager):  # `with LLM(...) as llm:` closes 
             lookahead = 1 if self.config.overlap_scheduling else 0
             if len(self.in_flight) > lookahead or (batch is None and self.in_flight):
                 launched = self.in_flight.popleft()
-                sampled, logprobs = self.runner.collect(launched)
-                for seq in self.scheduler.update(launched.batch, sampled, logprobs):
-                    request = self.request_of[seq]
+                for seq in self.scheduler.update(launched.batch, *self.runner.collect(launched)):
+                    request = self.requests[seq.request_id]
+                    changed[seq.request_id] = request
                     if (stop := request.update_text(seq)) is not None:
                         self.scheduler.finish(seq, "stop", stop)  # (nothing if it finished already)
                         seq.finish_reason, seq.stop_reason = "stop", stop  # outranks the length limit
-                    changed[request.request_id] = request
-        except BaseException:
-            self._abort_all()
+        except BaseException:  # nothing in flight can be trusted: every request ends, freed
+            with contextlib.suppress(Exception):  # a broken device must not hide the original error
+                torch.cuda.synchronize()  # (without CUDA this raises too: nothing to wait for)
+            self.in_flight.clear()
+            for request in self.requests.values():
+                for seq in request.seqs:
+                    self.scheduler.finish(seq, "abort")
+            self.requests.clear()
             raise
-        for request in changed.values():
+        for request_id, request in changed.items():
             if request.finished:
-                self._forget(request)
+                del self.requests[request_id]
         return list(changed.values())
 
-    def _forget(self, request: Request) -> None:
-        self.requests.pop(request.request_id, None)
-        for seq in request.seqs:
-            self.request_of.pop(seq, None)
-
-    def _abort_all(self) -> None:
-        """After a failed or interrupted step nothing in flight can be trusted: every request
-        ends ("abort") and frees its blocks; the engine then takes new requests."""
-        with contextlib.suppress(Exception):  # a broken device must not hide the original error
-            torch.cuda.synchronize()  # (without CUDA this raises too: nothing to wait for)
-        self.in_flight.clear()
-        for request in list(self.requests.values()):
-            for seq in request.seqs:
-                self.scheduler.finish(seq, "abort")
-            self._forget(request)
-
-    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True, lora_request: LoRARequest | list[LoRARequest | None] | None = None,
-                 ) -> list[dict]:
+    def generate(self, prompts, sampling_params: ManySamplingParams = None, use_tqdm: bool = True,
+                 lora_request: ManyLoRARequests = None) -> list[dict]:
         with self.driving():
             if self.requests:
                 raise RuntimeError(f"{len(self.requests)} requests from add_request are unfinished: "
                                    "step them to the end or abort them before generate")
             if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
                 raise ValueError("prompts must be a list of prompts (str or list of token ids)")
-            params = sampling_params if sampling_params is not None else SamplingParams()
-            params = params if isinstance(params, list) else [params] * len(prompts)
+            params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
             loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
             for name, values in (("sampling params", params), ("lora requests", loras)):
                 if len(values) != len(prompts):
                     raise ValueError(f"got {len(prompts)} prompts but {len(values)} {name}")
-            requests = [self._make_request(f"request {i}", *args)
-                        for i, args in enumerate(zip(prompts, params, loras))]
-            for request in requests:
-                self._enqueue(request)
+            try:  # every request is checked before any runs
+                requests = [self._make_request(f"request {i}", *args)
+                            for i, args in enumerate(zip(prompts, params, loras))]
+            except ValueError:
+                self.scheduler.waiting.clear()
+                self.requests.clear()
+                raise
             with tqdm(total=len(requests), desc="Generating", disable=not use_tqdm, dynamic_ncols=True) as bar:
                 while self.requests or self.in_flight:
                     bar.update(sum(request.finished for request in self._step()))
             return [request.result() for request in requests]
 
-    def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-             use_tqdm: bool = True, lora_request: LoRARequest | list[LoRARequest | None] | None = None,
-             chat_template_kwargs: dict | None = None) -> list[dict]:
+    def chat(self, messages, sampling_params: ManySamplingParams = None, use_tqdm: bool = True,
+             lora_request: ManyLoRARequests = None, chat_template_kwargs: dict | None = None) -> list[dict]:
         """generate() on conversations (one: a list of {"role", "content"} dicts; or a list of them)
         through the tokenizer's chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
@@ -311,7 +290,3 @@ class LLM(contextlib.AbstractContextManager):  # `with LLM(...) as llm:` closes 
                 "num_kvcache_blocks": self.runner.num_kv_blocks,
                 "attention_backend": self.config.attention_backend,
                 **(self.runner.graphs.stats_dict() if self.runner.graphs is not None else {})}
-
-
-def hash_seed(seq_id: int, engine_seed: int) -> int:
-    return xxhash.xxh32_intdigest(b"%d" % seq_id, engine_seed)

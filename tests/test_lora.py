@@ -85,7 +85,7 @@ def test_fold_gives_the_consumers_h_before_its_norm(tiny_model, adapters):
     from nanograph.layers.lora_slots import load_adapter
     from nanograph.layers.norm import rms_norm
     from nanograph.adapter import read_adapter
-    from nanograph.utils.context import StepMetadata, set_step_metadata
+    from nanograph.utils.context import AttentionInputs, StepMetadata, set_step_metadata
 
     path, request = tiny_model("qwen3"), adapters("qwen3")["all16"]
     llm = LLM(path, kvcache_block_size=16, enable_lora=True, max_loras=2, max_lora_rank=16)
@@ -94,7 +94,7 @@ def test_fold_gives_the_consumers_h_before_its_norm(tiny_model, adapters):
     folds = model.lora_folds()
     assert len(folds) == 2 * len(model.model.layers) - 1
     empty = torch.zeros(0, dtype=torch.int32)
-    set_step_metadata(StepMetadata(True, empty, empty, empty, lora_rank=rank,
+    set_step_metadata(StepMetadata(0, prefill=AttentionInputs(empty, empty, empty), lora_rank=rank,
                                    lora_slots=torch.ones(rows, dtype=torch.int32)))
     try:
         for producer, consumer, norm in folds:

@@ -4,6 +4,7 @@ driving thread; bad requests are ValueErrors that harm no one else (CPU, float32
 import threading
 
 import pytest
+import torch
 
 from conftest import hf_greedy
 from nanograph import LLM, SamplingParams
@@ -150,3 +151,31 @@ def test_generate_refuses_while_step_api_requests_run(tiny_model):
     assert [o["finish_reason"] for o in llm.step()] == ["abort"]
     assert not llm.has_unfinished_requests()
     assert len(llm.generate([[1, 2]], GREEDY, use_tqdm=False)[0]["token_ids"]) == 12
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_mixed_graphs_match_eager_mixed_steps(tiny_model, family):
+    """Requests arriving while others decode make mixed steps: replayed from the grid's graphs
+    they give the tokens eager mixed steps give (float32), greedy and seeded with top-p alike."""
+    path = tiny_model(family)
+    prompts = random_prompts([5, 150, 90, 40, 7, 200, 33], seed=13)
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=24, ignore_eos=True) if i % 2 else
+              SamplingParams(temperature=0, max_tokens=24, ignore_eos=True) for i in range(len(prompts))]
+    results = []
+    for eager in (True, False):
+        llm = LLM(path, dtype="float32", kvcache_block_size=16, enforce_eager=eager, max_num_mixed_tokens=64,
+                  cuda_graph_sizes=[1, 2, 4, 8])
+        ids = []
+        for prompt, p in zip(prompts, params):  # one arrival every second step
+            ids.append(llm.add_request(prompt, p))
+            llm.step()
+            llm.step()
+        outputs = run_until_done(llm)
+        results.append(([outputs[i]["token_ids"] for i in ids], llm.stats()))
+        llm.close()
+    (eager, _), (graphs, stats) = results
+    assert graphs == eager
+    assert stats["mixed_steps"] >= 10 and stats["mixed_graph_hit_rate"] >= 0.9
+    assert stats["graph_replays"] > 0 and len(stats["mixed_graph_grid"]) == 4

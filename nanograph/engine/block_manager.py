@@ -67,7 +67,8 @@ class BlockManager:
         return self.blocks[block_id]
 
     def allocate(self, seq: Sequence) -> None:
-        """Give `seq` blocks for all its tokens, sharing the longest cached prefix."""
+        """Give `seq` blocks for all its tokens, sharing the longest cached prefix (and its forks
+        theirs)."""
         assert not seq.block_table
         prefix_hash = seq.cache_salt
         while (block := self._cached_block(seq, len(seq.block_table), prefix_hash)) is not None:
@@ -82,6 +83,10 @@ class BlockManager:
         seq.num_computed_tokens = min(hits * self.block_size, len(seq) - 1)
         seq.num_hashed_blocks = hits
         self.cache_hit_tokens += seq.num_computed_tokens
+        # the forks of an n > 1 request (the other completions) each take a block of their own
+        # for the prompt's partial last block, copied to them when they fork
+        for child in seq.forks if seq.num_prompt_tokens % self.block_size else ():
+            child.block_table = [self._take_free_block()]
 
     def register_computed_blocks(self, seq: Sequence, num_computed: int) -> None:
         """Enter the blocks of `seq` that its first `num_computed` tokens fill into the prefix cache.
@@ -105,13 +110,6 @@ class BlockManager:
             if block.ref_count == 0:
                 self.free_block_ids.append(block_id)
         seq.block_table, seq.num_hashed_blocks = [], 0
-
-    def reserve_fork_blocks(self, seq: Sequence) -> None:
-        """At admission: when the prompt ends inside a block, each of its forks (the other
-        completions of an n > 1 request) takes a block of its own for that last, partial one."""
-        if seq.num_prompt_tokens % self.block_size:
-            for child in seq.forks:
-                child.block_table = [self._take_free_block()]
 
     def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None:
         """Share the parent's full prompt blocks with `child` (reference counts). Returns the

@@ -33,7 +33,7 @@ from nanograph.engine.step import StepBuffers, StepInput, StepShape, TokenTable,
 from nanograph.layers.lora_slots import add_lora_buffers, load_adapter
 from nanograph.layers.sampler import sample, sample_softmax, top_logprobs
 from nanograph.models.decoder import DecoderForCausalLM
-from nanograph.utils.context import StepMetadata, set_step_metadata
+from nanograph.utils.context import AttentionInputs, StepMetadata, set_step_metadata
 from nanograph.utils.loader import init_dummy_weights, load_weights
 
 CPU_KV_CACHE_BYTES = 1 << 30
@@ -116,25 +116,16 @@ class ModelRunner:
 
     def measure_activation_peak(self) -> int:
         """Run the largest prefill the scheduler can send once and return the activation memory it
-        peaked at. Its K/V is written nowhere (slot -1), and every block table reads one scratch block."""
+        peaked at: the shape decides the memory, so its rows are all padding (no K/V written)."""
         tokens = self.config.max_num_batched_tokens
-        num_seqs = max(1, min(self.config.max_num_seqs, tokens // self.config.max_model_len))
-        n = tokens // num_seqs  # tokens per sequence
+        chunks = max(1, min(self.config.max_num_seqs, tokens // self.config.max_model_len))
+        shape = StepShape(decodes=0, prefill_tokens=tokens, chunks=chunks, rows=chunks, max_chunk=tokens // chunks)
         self.bind_kv_cache(1)
-        step = StepInput(input_ids=[0] * n * num_seqs,
-                         positions=list(range(n)) * num_seqs,
-                         slot_mapping=[-1] * n * num_seqs,
-                         context_lens=[n] * num_seqs,
-                         block_tables=[[0] * -(-n // self.block_size)] * num_seqs,
-                         cu_seqlens_q=list(range(0, n * num_seqs + 1, n)),
-                         sample_indices=list(range(n - 1, n * num_seqs, n)),
-                         sample_lens=[n] * num_seqs,
-                         temperatures=[0.0] * num_seqs,
-                         seeds=[0] * num_seqs)
+        self.buffers.fill(StepInput(), shape)
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
-        self.run(step)
+        self.forward(shape)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before
         self.bind_kv_cache(0)
@@ -147,19 +138,19 @@ class ModelRunner:
         pinned = torch.tensor(data, dtype=dtype, pin_memory=self.device.type == "cuda")
         return pinned.to(self.device, non_blocking=True)
 
+    @torch.inference_mode()
     def forward(self, shape: StepShape) -> None:
         """The step laid out by `shape` in the static buffers: the model, then the logits and
         sampled ids of its sampling rows (into `self.logits` / `self.sampled`, and the token
         table). What a CUDA graph records and replays."""
         inputs = self.buffers.views(shape)
-        md = StepMetadata(num_decodes=shape.decodes,
-                          slot_mapping=inputs["slot_mapping"],
-                          context_lens=inputs["context_lens"],
-                          block_tables=inputs["block_tables"],
-                          lora_rank=shape.lora_rank,
-                          lora_slots=inputs["lora_slots"])
-        if shape.chunks:
-            md.cu_seqlens_q, md.max_seqlen_q = inputs["cu_seqlens_q"], shape.max_chunk
+        n = shape.decodes
+        slots, lens, tables = inputs["slot_mapping"], inputs["context_lens"], inputs["block_tables"]
+        md = StepMetadata(num_decodes=n, lora_rank=shape.lora_rank, lora_slots=inputs["lora_slots"])
+        if n:
+            md.decode = AttentionInputs(slots[:n], lens[:n], tables[:n])
+        if shape.prefill_tokens:
+            md.prefill = AttentionInputs(slots[n:], lens[n:], tables[n:], inputs["cu_seqlens_q"], shape.max_chunk)
         set_step_metadata(md)
         hidden = self.model(self.tokens.resolve(inputs["input_ids"]), inputs["positions"])
         set_step_metadata(None)
@@ -186,11 +177,11 @@ class ModelRunner:
             self.forward(shape)
         rows = len(step.temperatures)
         logits, sampled = self.logits[:rows], self.sampled[:rows]
-        if step.top_ks is not None or step.banned_rows:  # the filters the forward leaves out
+        if step.top_ks is not None or step.banned:  # the filters the forward leaves out
             sampled = self.resample(step, logits, self.buffers.views(shape))
-        if step.copy_from:  # forks' copies of their parent's partial block, once it is computed
-            src = self.upload(step.copy_from, torch.int64)
-            self.kv_cache[:, :, self.upload(step.copy_to, torch.int64)] = self.kv_cache[:, :, src]
+        if step.block_copies:  # forks' copies of their parent's partial block, once it is computed
+            src, dst = self.upload(step.block_copies, torch.int64).T
+            self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
         return logits, sampled
 
     def resample(self, step: StepInput, logits: torch.Tensor, inputs: dict) -> torch.Tensor:
@@ -198,8 +189,8 @@ class ModelRunner:
         top = banned = None
         if step.top_ks is not None:
             top = (self.upload(step.top_ks, torch.int64), self.upload(step.top_ps, torch.float32))
-        if step.banned_rows:
-            banned = (self.upload(step.banned_rows, torch.int64), self.upload(step.banned_ids, torch.int64))
+        if step.banned:
+            banned = tuple(self.upload(step.banned, torch.int64).T)
         sampled = sample(logits, inputs["temperatures"][:rows], inputs["seeds"][:rows],
                          inputs["sample_lens"][:rows], top=top, banned=banned)
         self.tokens.put(sampled)

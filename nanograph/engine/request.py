@@ -1,12 +1,11 @@
 """One request as its user sees it: n completions of a prompt, their text, and the result dict.
 
-Text is made as tokens arrive, by one incremental detokenizer per completion. Decoding a token
-alone is wrong in general: a tokenizer may need the tokens before it (a leading space is part of
-the next word's token in SentencePiece vocabularies), and a character of several UTF-8 bytes may
-be cut by a token boundary. So each new piece of text is `decode(context + new) -
-decode(context)`, with a few tokens of context (the prompt's last ones at first); while the
-decode ends in U+FFFD, the replacement character, the bytes of a character are still
-incomplete and the tokens wait for the next ones.
+Text is made as tokens arrive, by one incremental detokenizer per completion (tokenizers'
+`DecodeStream`). Decoding a token alone is wrong in general: a tokenizer may need the tokens
+before it (a leading space is part of the next word's token in SentencePiece vocabularies), and
+a character of several UTF-8 bytes may be cut by a token boundary. The stream decodes each new
+token with a few tokens of context (the prompt's last ones at first) and holds back the bytes of
+a character until it is complete.
 
 Stop strings are searched in that text as it grows: only in the new piece plus `len(stop) - 1`
 characters before it, so a stop string split across tokens is found, and nothing is searched
@@ -16,36 +15,25 @@ overlap scheduling is dropped). Text given out while a completion runs never cha
 the last `max(len(stop)) - 1` characters, which may be the start of a stop string, are held back
 until more text shows they are not.
 """
-from dataclasses import dataclass
+from tokenizers.decoders import DecodeStream
 
 from nanograph.engine.sequence import Sequence, Status
 
-CONTEXT_TOKENS = 5  # tokens decoded before the new ones, for the tokenizer's context
+CONTEXT_TOKENS = 5  # prompt tokens decoded before the first new one, for the tokenizer's context
 
 
 class Detokenizer:
     def __init__(self, tokenizer, prompt: list[int], skip_special_tokens: bool):
-        self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
-        self.ids = prompt[-CONTEXT_TOKENS:]
-        self.num_context = len(self.ids)   # ids[:num_context] were decoded before
-        self.num_fed = 0                   # completion tokens seen
+        self.tokenizer = tokenizer.backend_tokenizer
+        self.stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self.stream.step(self.tokenizer, prompt[-CONTEXT_TOKENS:])
+        self.num_fed = 0  # completion tokens seen
         self.text = ""
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def feed(self, token_ids: list[int]) -> str:
         """Take the completion's new tokens; return the text they complete."""
-        self.ids += token_ids
         self.num_fed += len(token_ids)
-        new = self.decode(self.ids)
-        context = self.decode(self.ids[:self.num_context])
-        if new.endswith("\ufffd") or len(new) < len(context):
-            return ""  # a character still incomplete: wait for the next tokens
-        piece = new[len(context):]
-        self.ids = self.ids[-CONTEXT_TOKENS:]
-        self.num_context = len(self.ids)
+        piece = self.stream.step(self.tokenizer, token_ids) or ""
         self.text += piece
         return piece
 
@@ -61,12 +49,15 @@ def find_stop(text: str, new_chars: int, stops: list[str]) -> tuple[int, str] | 
     return found
 
 
-@dataclass
 class Request:
-    request_id: int
-    prompt_token_ids: list[int]
-    seqs: list[Sequence]                  # its n completions
-    detokenizers: list[Detokenizer] | None  # one per completion; None without a tokenizer
+    def __init__(self, request_id: int, prompt_token_ids: list[int], seqs: list[Sequence], tokenizer=None):
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.seqs = seqs  # its n completions
+        self.detokenizers = None  # one per completion, with a tokenizer
+        if tokenizer is not None:
+            skip = seqs[0].params.skip_special_tokens
+            self.detokenizers = [Detokenizer(tokenizer, prompt_token_ids, skip) for _ in seqs]
 
     @property
     def finished(self) -> bool:

@@ -134,7 +134,6 @@ class Scheduler:
                 break
             if not seq.block_table:
                 self.block_manager.allocate(seq)
-                self.block_manager.reserve_fork_blocks(seq)
             chunk = min(len(seq) - seq.num_computed_tokens, budget)
             budget -= chunk
             chunks.append((seq, chunk))

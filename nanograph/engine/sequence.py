@@ -27,8 +27,10 @@ class Status(Enum):
 
 class Sequence:
     def __init__(self, seq_id: int, prompt: list[int], params: SamplingParams, block_size: int,
-                 seed: int = 0, stop_ids: frozenset[int] = frozenset(), adapter: Adapter | None = None):
+                 seed: int = 0, stop_ids: frozenset[int] = frozenset(), adapter: Adapter | None = None,
+                 request_id: int = 0):
         self.seq_id = seq_id
+        self.request_id = request_id  # the request it is a completion of
         self.token_ids = list(prompt)
         self.num_prompt_tokens = len(prompt)
         self.params = params

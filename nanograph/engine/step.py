@@ -46,11 +46,9 @@ class StepInput:
     top_ks: list[int] | None = None       # -1 = off; None: no row uses top-k / top-p
     top_ps: list[float] | None = None
     num_logprobs: list[int] | None = None  # top log-probabilities to return, -1 = none; None: no row
-    banned_rows: list[int] = field(default_factory=list)  # (row, token) pairs masked: min_tokens
-    banned_ids: list[int] = field(default_factory=list)
+    banned: list[tuple[int, int]] = field(default_factory=list)  # (row, token) masked: min_tokens
     # per step
-    copy_from: list[int] = field(default_factory=list)  # KV blocks copied after the forward (forks)
-    copy_to: list[int] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # after the forward: forks
     lora_rank: int = 0                    # the step's LoRA rank bucket, 0 = no adapters
     lora_loads: list = field(default_factory=list)  # (slot, Adapter) to load first (scheduler.py)
 
@@ -89,6 +87,7 @@ class StepShape:
 
 def build_step(batch: Batch, block_size: int) -> StepInput:
     step = StepInput(num_decodes=batch.num_decodes,
+                     block_copies=batch.block_copies,
                      lora_rank=batch.lora_rank,
                      lora_loads=batch.lora_loads)
     if batch.lora_slots is not None:
@@ -110,15 +109,12 @@ def build_step(batch: Batch, block_size: int) -> StepInput:
         step.temperatures.append(seq.params.temperature)
         step.seeds.append(seq.seed & 0x7FFFFFFF)
         if step.sample_lens[-1] - seq.num_prompt_tokens < seq.params.min_tokens:
-            step.banned_ids += seq.stop_ids
-            step.banned_rows += [row] * len(seq.stop_ids)
+            step.banned += [(row, token) for token in seq.stop_ids]
     if any(p.top_k > 0 or p.top_p < 1 for p in params):  # they cost a sort: only when asked
         step.top_ks = [p.top_k for p in params]
         step.top_ps = [p.top_p for p in params]
     if any(p.logprobs is not None for p in params):
         step.num_logprobs = [-1 if p.logprobs is None else p.logprobs for p in params]
-    step.copy_from = [src for src, _ in batch.block_copies]
-    step.copy_to = [dst for _, dst in batch.block_copies]
     return step
 
 

@@ -9,17 +9,14 @@ LM head) go through torch.distributed's default group: NCCL on CUDA, gloo on the
 any "spawn" child, a worker re-imports the user's main module: scripts that start a
 tensor-parallel LLM need the usual `if __name__ == "__main__":` guard.
 
-What is sent each step, and how. The rank-0 runner is a `ModelRunner` whose `forward` first
-sends the step's `StepInput` to the workers as int32 tensors (a header of lengths, then the
-lists back to back: two gloo broadcasts, no pickle; only the rare LoRA adapter loads follow as a
-small pickled list) over a second, gloo-only process group: the control group. The workers
-run the same `forward` on their shard, sampler included: the next step's placeholder tokens
-(step.py) are resolved on every rank from its own token table, and since the sampler's noise
-is a hash of each request's seed and token index (layers/sampler.py), every rank draws the same
-ids from the same all-gathered logits: nothing is exchanged. So the message carries each
-row's temperature, seed, top-k and top-p too (floats as their bits). With overlap scheduling
-rank 0 sends step N+1 while the GPUs still run
-step N, and a worker queues it at once: nothing on either side waits for the GPU. One message
+What is sent each step, and how. The rank-0 runner is a `ModelRunner` whose `run` first sends
+the step's `StepInput` (plain lists, pickled: step.py) to the workers over a second, gloo-only
+process group: the control group. The workers run the same `run` on their shard, sampler
+included: the next step's placeholder tokens are resolved on every rank from its own token
+table, and since the sampler's noise is a hash of each request's seed and token index
+(layers/sampler.py), every rank draws the same ids from the same all-gathered logits: nothing
+is exchanged. With overlap scheduling rank 0 sends step N+1 while the GPUs still run step N,
+and a worker queues it at once: nothing on either side waits for the GPU. One message
 per step keeps the ranks in lockstep by construction, and sending the inputs rather than
 sequences keeps the workers free of any scheduler state. The control messages go through gloo,
 not NCCL, so a worker waits for the next step on the host, without a GPU kernel, as long as the
@@ -32,7 +29,7 @@ their NCCL all-reduces inside; a rank replaying bucket 8 while another replays 1
 
 Start, shutdown, failure. The parent opens a TCPStore on a free port and waits until each worker
 has reached it (a worker that crashes while starting is reported, not waited for), then all ranks
-join the process groups. `close()` sends an empty header (the workers leave their loop and exit), joins
+join the process groups. `close()` sends None (the workers leave their loop and exit), joins
 them, kills any that linger, and destroys the process groups, so a second LLM can start in the
 same process; it also runs at interpreter exit if the user forgot it. A worker watches its parent
 and exits if the parent dies. Before each step rank 0 checks that every worker is alive, and with
@@ -46,7 +43,6 @@ import os
 import signal
 import threading
 import weakref
-from dataclasses import fields
 from multiprocessing.connection import wait
 
 import torch
@@ -71,52 +67,15 @@ def init_distributed(config: Config, rank: int, store: dist.Store) -> None:
                             world_size=config.tensor_parallel_size, timeout=STEP_TIMEOUT)
 
 
-# the StepInput fields sent as int32 lists (floats as their bits); None goes as an empty list
-LISTS = tuple(f.name for f in fields(StepInput)
-              if f.name not in ("num_decodes", "block_tables", "lora_rank", "lora_loads"))
-FLOATS = ("temperatures", "top_ps")
-OPTIONAL = ("top_ks", "top_ps", "num_logprobs", "lora_slots")  # None, not [], when empty
-HEADER = 5 + len(LISTS) + 1  # see send_step
-
-
 def send_step(step: StepInput | None, group) -> None:
-    """Rank 0: a header [1, num_decodes, LoRA rank, adapter loads, table width, the length of
-    each list], then the lists and the block tables back to back, as int32 tensors; an all-zero
-    header (None) tells the workers to exit. Adapter loads, rare, follow as a pickle."""
-    if step is None:
-        dist.broadcast(torch.zeros(HEADER, dtype=torch.int32), src=0, group=group)
-        return
-    parts = []
-    for name in LISTS:
-        dtype = torch.float32 if name in FLOATS else torch.int32
-        parts.append(torch.tensor(getattr(step, name) or [], dtype=dtype).view(torch.int32))
-    parts.append(torch.tensor(step.block_tables, dtype=torch.int32).flatten())
-    header = [1, step.num_decodes, step.lora_rank, len(step.lora_loads), len(step.block_tables[0])]
-    header += [len(part) for part in parts]
-    dist.broadcast(torch.tensor(header, dtype=torch.int32), src=0, group=group)
-    dist.broadcast(torch.cat(parts), src=0, group=group)
-    if step.lora_loads:
-        dist.broadcast_object_list([step.lora_loads], src=0, group=group)
+    """Rank 0: the step to every worker, pickled (None: the workers exit)."""
+    dist.broadcast_object_list([step], src=0, group=group)
 
 
 def receive_step(group) -> StepInput | None:
-    header = torch.empty(HEADER, dtype=torch.int32)
-    dist.broadcast(header, src=0, group=group)
-    alive, num_decodes, lora_rank, loads, width, *lengths = header.tolist()
-    if not alive:
-        return None
-    payload = torch.empty(sum(lengths), dtype=torch.int32)
-    dist.broadcast(payload, src=0, group=group)
-    *parts, tables = payload.split(lengths)
-    lists = {}
-    for name, part in zip(LISTS, parts):
-        values = (part.view(torch.float32) if name in FLOATS else part).tolist()
-        lists[name] = None if name in OPTIONAL and not values else values
-    lora_loads = [[]]
-    if loads:
-        dist.broadcast_object_list(lora_loads, src=0, group=group)
-    return StepInput(num_decodes=num_decodes, block_tables=tables.view(-1, width).tolist(),
-                     lora_rank=lora_rank, lora_loads=lora_loads[0], **lists)
+    message = [None]
+    dist.broadcast_object_list(message, src=0, group=group)
+    return message[0]
 
 
 def worker_main(config: Config, rank: int, port: int) -> None:

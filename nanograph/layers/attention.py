@@ -19,14 +19,17 @@ one query per sequence.
   after the fused rotate-and-store kernel of `triton`; needs block size 256. Tested on an H100
   against `torch`, but by name only: `auto` takes `triton`, which measured faster at small-batch
   decode (its kernel rotates, stores and attends inside the PDL chain) and as fast end to end
-  (README, "Attention backends").
+  (docs/performance.md, "Attention backends").
+
+A step may have both parts, decode rows first, then prefill chunks (engine/scheduler.py): each
+part goes to its own kernel with its own `AttentionInputs`, and the outputs are concatenated.
 """
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from nanograph.layers.rotary import norm_and_rotate
-from nanograph.utils.context import StepMetadata, get_step_metadata
+from nanograph.utils.context import AttentionInputs, get_step_metadata
 
 
 def torch_rotate_and_store(q, k, v, positions, rotary, k_cache, v_cache, slot_mapping):
@@ -42,17 +45,15 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
     return cache[block_tables.clamp(min=0)].flatten(1, 2)
 
 
-# The backends' attention, each (q, k_cache, v_cache, md, scale) with q rotated and the new K/V
-# stored. A prefill function attends the prefill part: q holds its tokens, and its sequences are
-# md's from md.num_decodes on. A decode function attends the decode part, md's first rows.
+# The backends' attention, each (q, k_cache, v_cache, inputs, scale) with q rotated and the new
+# K/V stored: a prefill function attends a prefill part, a decode function a decode part.
 
-def torch_prefill(q, k_cache, v_cache, md: StepMetadata, scale: float) -> torch.Tensor:
+def torch_prefill(q, k_cache, v_cache, inputs: AttentionInputs, scale: float) -> torch.Tensor:
     out = torch.empty_like(q)
-    n = md.num_decodes
-    tables = md.block_tables[n:]
-    cu = md.cu_seqlens_q.tolist()  # the oracle may wait for the device: it slices on the host
-    for s, ctx in enumerate(md.context_lens[n:].tolist()):
-        k, v = (gather_kv(c, tables[s:s + 1])[0, :ctx].transpose(0, 1) for c in (k_cache, v_cache))
+    cu = inputs.cu_seqlens_q.tolist()  # the oracle may wait for the device: it slices on the host
+    for s, ctx in enumerate(inputs.context_lens.tolist()):
+        tables = inputs.block_tables[s:s + 1]
+        k, v = (gather_kv(cache, tables)[0, :ctx].transpose(0, 1) for cache in (k_cache, v_cache))
         qs = q[cu[s]:cu[s + 1]].transpose(0, 1)  # [Hq, q_len, D]; k, v: [Hkv, ctx, D]
         q_len = qs.shape[1]
         # query i sits at position ctx - q_len + i and sees keys 0 .. ctx - q_len + i
@@ -63,23 +64,20 @@ def torch_prefill(q, k_cache, v_cache, md: StepMetadata, scale: float) -> torch.
     return out
 
 
-def torch_decode(q, k_cache, v_cache, md: StepMetadata, scale: float) -> torch.Tensor:
-    n = md.num_decodes
-    tables, lens = md.block_tables[:n], md.context_lens[:n]
+def torch_decode(q, k_cache, v_cache, inputs: AttentionInputs, scale: float) -> torch.Tensor:
     # [B, Hkv, L, D]
-    k, v = (gather_kv(cache, tables).transpose(1, 2) for cache in (k_cache, v_cache))
-    mask = torch.arange(k.shape[2], device=q.device)[None, :] < lens[:, None]
+    k, v = (gather_kv(cache, inputs.block_tables).transpose(1, 2) for cache in (k_cache, v_cache))
+    mask = torch.arange(k.shape[2], device=q.device)[None, :] < inputs.context_lens[:, None]
     mask[:, 0] = True  # padded rows (context 0) attend to one junk key instead of producing NaN
     out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :],
                                          scale=scale, enable_gqa=True)
     return out.squeeze(2)
 
 
-def triton_prefill(q, k_cache, v_cache, md: StepMetadata, scale: float) -> torch.Tensor:
+def triton_prefill(q, k_cache, v_cache, inputs: AttentionInputs, scale: float) -> torch.Tensor:
     from nanograph.kernels.paged_prefill import paged_prefill_attention
-    n = md.num_decodes
-    return paged_prefill_attention(q, k_cache, v_cache, md.cu_seqlens_q, md.context_lens[n:],
-                                   md.block_tables[n:], md.max_seqlen_q, scale)
+    return paged_prefill_attention(q, k_cache, v_cache, inputs.cu_seqlens_q, inputs.context_lens,
+                                   inputs.block_tables, inputs.max_seqlen_q, scale)
 
 
 def triton_rotate_and_store(q, k, v, positions, rotary, k_cache, v_cache, slot_mapping):
@@ -87,20 +85,18 @@ def triton_rotate_and_store(q, k, v, positions, rotary, k_cache, v_cache, slot_m
     return rotate_and_store(q, k, v, positions, *rotary, k_cache, v_cache, slot_mapping)
 
 
-def flash_attn_prefill(q, k_cache, v_cache, md: StepMetadata, scale: float) -> torch.Tensor:
+def flash_attn_prefill(q, k_cache, v_cache, inputs: AttentionInputs, scale: float) -> torch.Tensor:
     from flash_attn import flash_attn_varlen_func
-    n = md.num_decodes
-    cu_k = F.pad(md.context_lens[n:].cumsum(0, dtype=torch.int32), (1, 0))
-    return flash_attn_varlen_func(q, k_cache, v_cache, md.cu_seqlens_q, cu_k, md.max_seqlen_q,
-                                  int(md.context_lens[n:].max()), softmax_scale=scale, causal=True,
-                                  block_table=md.block_tables[n:])
+    cu_k = F.pad(inputs.context_lens.cumsum(0, dtype=torch.int32), (1, 0))
+    return flash_attn_varlen_func(q, k_cache, v_cache, inputs.cu_seqlens_q, cu_k, inputs.max_seqlen_q,
+                                  int(inputs.context_lens.max()), softmax_scale=scale, causal=True,
+                                  block_table=inputs.block_tables)
 
 
-def flash_attn_decode(q, k_cache, v_cache, md: StepMetadata, scale: float) -> torch.Tensor:
+def flash_attn_decode(q, k_cache, v_cache, inputs: AttentionInputs, scale: float) -> torch.Tensor:
     from flash_attn import flash_attn_with_kvcache
-    n = md.num_decodes
-    out = flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=md.context_lens[:n],
-                                  block_table=md.block_tables[:n], softmax_scale=scale, causal=True)
+    out = flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=inputs.context_lens,
+                                  block_table=inputs.block_tables, softmax_scale=scale, causal=True)
     return out.squeeze(1)
 
 
@@ -112,7 +108,7 @@ ATTEND = {"torch": (torch_prefill, torch_decode), "triton": (triton_prefill, Non
 class Attention(nn.Module):
     """Rotates q and k, stores K/V for the new tokens, then attends.
     q: [tokens, Hq, D], k/v: [tokens, Hkv, D], straight out of the QKV projection: the decode
-    rows first, then the prefill chunks (either part may be empty)."""
+    rows first, then the prefill chunks."""
 
     def __init__(self, scale: float, rope, q_norm=None, k_norm=None):
         super().__init__()
@@ -127,27 +123,16 @@ class Attention(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         md = get_step_metadata()
         n = md.num_decodes
-        if n == q.shape[0]:
-            return self.decode(positions, q, k, v, md)
-        if n == 0:
-            return self.prefill(positions, q, k, v, md)
-        decoded = self.decode(positions[:n], q[:n], k[:n], v[:n], md)
-        return torch.cat([decoded, self.prefill(positions[n:], q[n:], k[n:], v[n:], md)])
+        parts = [(slice(0, n), md.decode, True), (slice(n, None), md.prefill, False)]
+        outs = [self.attend(positions[rows], q[rows], k[rows], v[rows], inputs, decode)
+                for rows, inputs, decode in parts if inputs is not None]
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
-    def rotate_and_store(self, positions, q, k, v, slot_mapping) -> torch.Tensor:
-        rotate_and_store = torch_rotate_and_store if self.backend == "torch" else triton_rotate_and_store
-        return rotate_and_store(q, k, v, positions, self.rotary, self.k_cache, self.v_cache, slot_mapping)
-
-    def decode(self, positions, q, k, v, md: StepMetadata) -> torch.Tensor:
-        n = md.num_decodes
-        if self.backend == "triton":  # one kernel rotates, stores and attends
+    def attend(self, positions, q, k, v, inputs: AttentionInputs, decode: bool) -> torch.Tensor:
+        if decode and self.backend == "triton":  # one kernel rotates, stores and attends
             from nanograph.kernels.paged_decode import paged_decode_attention
-            return paged_decode_attention(q, k, v, positions, md.slot_mapping[:n], *self.rotary,
-                                          self.k_cache, self.v_cache, md.block_tables[:n],
-                                          md.context_lens[:n], self.scale)
-        q = self.rotate_and_store(positions, q, k, v, md.slot_mapping[:n])
-        return ATTEND[self.backend][1](q, self.k_cache, self.v_cache, md, self.scale)
-
-    def prefill(self, positions, q, k, v, md: StepMetadata) -> torch.Tensor:
-        q = self.rotate_and_store(positions, q, k, v, md.slot_mapping[md.num_decodes:])
-        return ATTEND[self.backend][0](q, self.k_cache, self.v_cache, md, self.scale)
+            return paged_decode_attention(q, k, v, positions, inputs.slot_mapping, *self.rotary, self.k_cache,
+                                          self.v_cache, inputs.block_tables, inputs.context_lens, self.scale)
+        rotate_and_store = torch_rotate_and_store if self.backend == "torch" else triton_rotate_and_store
+        q = rotate_and_store(q, k, v, positions, self.rotary, self.k_cache, self.v_cache, inputs.slot_mapping)
+        return ATTEND[self.backend][decode](q, self.k_cache, self.v_cache, inputs, self.scale)

@@ -110,7 +110,7 @@ def linear_with_lora(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     if getattr(layer, "lora_a", None) is None or get_step_metadata().lora_rank == 0:
         return torch.nn.functional.linear(x, weight, bias)
     md, y = get_step_metadata(), torch.nn.functional.linear(x, weight, bias)
-    if x.is_cuda and md.is_decode:
+    if x.is_cuda and md.prefill is None:
         from nanograph.kernels.bgmv import lora_expand
         lora_expand(y, *lora_inputs(x, layer))
         return y

@@ -7,9 +7,9 @@ which LoRA adapter each token uses, changes every step, so the runner publishes 
 Attention and linear layers read it. One global is the simplest honest way to do this: one
 forward pass runs at a time, and it keeps the model code free of plumbing.
 
-Under CUDA graphs the tensors in here are the graph runner's *static buffers*, so a replay sees
-whatever the runner copied into them just before; the plain ints (the LoRA rank) are fixed per
-graph.
+The tensors in here are views of the runner's static step buffers (engine/step.py), so a CUDA
+graph's replay sees whatever the runner copied into them just before; the plain ints (the LoRA
+rank, a chunk's length bound) are fixed per graph.
 """
 from dataclasses import dataclass
 
@@ -17,22 +17,23 @@ import torch
 
 
 @dataclass
-class StepMetadata:
-    num_decodes: int                  # tokens (and sequences) [0, num_decodes) decode, one each
-    slot_mapping: torch.Tensor        # [num_tokens] cache slot of each new token, -1 = write nothing
-    context_lens: torch.Tensor        # [num_seqs] keys each sequence attends to (cached + new)
-    block_tables: torch.Tensor        # [num_seqs, max_blocks] int32, -1 past the last block
-    # the prefill part (the chunks after the decode rows), when there is one
-    cu_seqlens_q: torch.Tensor | None = None    # [chunks + 1] offsets within the prefill part
-    max_seqlen_q: int = 0                       # a bound on a chunk's length (a graph's: static)
-    lora_rank: int = 0                          # rank bucket of the step's adapters, 0 = no LoRA
-    lora_slots: torch.Tensor | None = None      # [num_tokens] int32 adapter slot of each token
-    lora_fold: torch.Tensor | None = None       # a producer's folded h for the next LoRA layer
+class AttentionInputs:
+    """Where one part of a step (its decode rows, or its prefill chunks) finds the paged cache."""
+    slot_mapping: torch.Tensor    # [tokens] cache slot of each new token, -1 = write nothing
+    context_lens: torch.Tensor    # [seqs] keys each sequence attends to (cached + new)
+    block_tables: torch.Tensor    # [seqs, max_blocks] int32, -1 past the last block
+    cu_seqlens_q: torch.Tensor | None = None  # prefill: [chunks + 1] query offsets
+    max_seqlen_q: int = 0                     # prefill: a bound on a chunk's length (static)
 
-    @property
-    def is_decode(self) -> bool:
-        """Every token decodes (no prefill part)."""
-        return self.num_decodes == len(self.slot_mapping)
+
+@dataclass
+class StepMetadata:
+    num_decodes: int                        # tokens [0, num_decodes) decode, one a sequence
+    decode: AttentionInputs | None = None   # the decode rows, if any
+    prefill: AttentionInputs | None = None  # the prefill chunks after them, if any
+    lora_rank: int = 0                      # rank bucket of the step's adapters, 0 = no LoRA
+    lora_slots: torch.Tensor | None = None  # [tokens] int32 adapter slot of each token
+    lora_fold: torch.Tensor | None = None   # a producer's folded h for the next LoRA layer
 
 
 _metadata: StepMetadata | None = None
