@@ -81,15 +81,14 @@ def test_buffers_mixed_layout():
 
 
 def test_mixed_grid_stays_within_the_budget():
-    ladder = bucket_ladder(256)
-    grid = mixed_grid(ladder, 256)
-    assert {p for _, p in grid} == {64, 128, 256}
+    grid = mixed_grid(256, 256)
+    assert {p for _, p in grid} == {64, 128, 256} and {d for d, _ in grid} == {1, 2, 4, 8, 16, 32, 64, 128, 256}
     for d, p in grid:  # each pair is needed by some step of at most 256 tokens
-        smaller = max([0] + [b for b in ladder if b < d])
-        assert smaller + 1 < 256 and (p == 64 or p // 2 < 256 - smaller - 1)
-    # 201-256 decode rows leave at most 55 prefill tokens; 1 decode row leaves 255
-    assert (256, 64) in grid and (256, 128) not in grid and (1, 256) in grid
-    assert len(grid) <= 3 * len(ladder)
+        fewest = d // 2 + 1  # decode rows that take bucket d
+        assert fewest < 256 and (p == 64 or p // 2 < 256 - fewest)
+    # 129-256 decode rows leave at most 127 prefill tokens; 1 decode row leaves 255
+    assert (256, 128) in grid and (256, 256) not in grid and (1, 256) in grid
+    assert len(grid) == 3 * 9 - 1
 
 
 def test_stats_arithmetic():
@@ -117,6 +116,7 @@ def run_both(path, prompts, params, **kwargs):
     outs, stats = [], []
     for eager in (True, False):
         kwargs.setdefault("num_kvcache_blocks", 512)
+        kwargs.setdefault("max_num_mixed_tokens", 64)  # a small grid: 4 mixed graphs on [1, 2, 4, 8]
         llm = LLM(path, dtype="float32", kvcache_block_size=16, enforce_eager=eager, **kwargs)
         outs.append([o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)])
         stats.append(llm.stats())
@@ -138,7 +138,7 @@ def test_graphs_match_eager_float32(tiny_model, family):
     params = [SamplingParams(temperature=0, max_tokens=4 + 3 * i, ignore_eos=True) for i in range(13)]
     (eager, graphs), (_, stats) = run_both(tiny_model(family), prompts, params, cuda_graph_sizes=[1, 2, 4, 8])
     assert graphs == eager
-    assert stats["num_graphs"] == 4 and stats["cuda_graph_sizes"] == [1, 2, 4, 8]
+    assert stats["cuda_graph_sizes"] == [1, 2, 4, 8] and stats["num_graphs"] == 4 + len(stats["mixed_graph_grid"])
     # decode steps: one per token after the first of the longest request; batches > 8 ran eager
     assert stats["decode_steps"] == max(p.max_tokens for p in params) - 1
     assert 0 < stats["graph_hit_rate"] < 1 and set(stats["replays_per_bucket"]) == {1, 2, 4, 8}
@@ -195,7 +195,7 @@ def test_bf16_graph_logits_close_to_eager(tiny_model):
         lens = [20, 31, 7]
         slots = [t[(n - 1) // 16] * 16 + (n - 1) % 16 for t, n in zip(tables, lens)]
         step = decode_step([3, 4, 5], [n - 1 for n in lens], slots, lens, tables, [0.0] * 3, [0] * 3)
-        logits.append(runner.forward(step)[0].float().cpu())
+        logits.append(runner.run(step)[0].float().cpu())
         del llm, runner
         torch.cuda.empty_cache()
     rel = (logits[0] - logits[1]).norm() / logits[0].norm()

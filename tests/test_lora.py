@@ -178,11 +178,12 @@ def test_mixed_batch_matches_peft_with_graphs(tiny_model, adapters, family):
     loras = ([None, reqs["mlp4"], reqs["all16"], reqs["qv8"]] * 3)[:11]
     params = [SamplingParams(temperature=0, max_tokens=4 + 3 * i, ignore_eos=True) for i in range(11)]
     with LLM(path, kvcache_block_size=16, enable_lora=True, max_loras=3, max_lora_rank=16, dtype="float32",
-             cuda_graph_sizes=[1, 2, 4, 8]) as llm:
+             cuda_graph_sizes=[1, 2, 4, 8], max_num_mixed_tokens=64) as llm:
         outs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
         stats = llm.stats()
     expected = [peft_greedy(path, r, p, sp.max_tokens) for r, p, sp in zip(loras, prompts, params)]
     assert [o["token_ids"] for o in outs] == expected
-    assert stats["lora_rank_buckets"] == [8, 16] and stats["num_graphs"] == 12
+    # the decode ladder by rank 0, 8, 16, and the base model's mixed grid
+    assert stats["lora_rank_buckets"] == [8, 16] and stats["num_graphs"] == 12 + len(stats["mixed_graph_grid"])
     assert len(stats["replays_per_lora_bucket"]) >= 3 and stats["replays_per_lora_bucket"]["1x16"] > 0
     assert 0 < stats["graph_hit_rate"] < 1

@@ -149,7 +149,7 @@ def test_overlap_gives_the_same_tokens_with_graphs(tiny_model, family):
     prompts, params, eos = mixed_requests(path, n=11)
     # 11 sequences shrink through the buckets [1, 2, 4, 8] and start above them (eager)
     (sync, s_sync), (overlap, s_overlap) = generate_both(path, prompts, params, eos, dtype="float32",
-                                                         cuda_graph_sizes=[1, 2, 4, 8])
+                                                         cuda_graph_sizes=[1, 2, 4, 8], max_num_mixed_tokens=64)
     assert overlap == sync
     assert s_overlap["overlap_discarded_tokens"] > 0 and s_overlap["graph_replays"] > 0
     assert len(s_overlap["replays_per_bucket"]) >= 3 and 0 < s_overlap["graph_hit_rate"] < 1

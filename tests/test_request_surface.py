@@ -185,7 +185,7 @@ def test_logprobs_and_stop_strings_with_graphs(text_model):
     results = []
     for eager in (True, False):
         with LLM(path, kvcache_block_size=16, dtype="float32", enforce_eager=eager,
-                 cuda_graph_sizes=[1, 2, 4]) as llm:
+                 cuda_graph_sizes=[1, 2, 4], max_num_mixed_tokens=64) as llm:
             free = llm.generate([PROMPT], greedy(), use_tqdm=False)[0]
             stop, _, _ = boundary_stop(llm, free["token_ids"])
             params = [greedy(stop=[stop], logprobs=2), SamplingParams(temperature=0.9, seed=3, max_tokens=20, n=3)]

@@ -30,8 +30,8 @@ Which graphs. Keys are (decode rows d, prefill tokens p, LoRA rank bucket):
   bucket (8, 16, 32, 64 up to `max_lora_rank`; layers/lora_slots.py): a step takes the smallest
   that holds its largest adapter rank, and a step without adapters the rank-0 graph.
 - Mixed graphs (the decode rows, then prefill chunks: scheduler.py): a grid of decode buckets
-  by prefill-token buckets, powers of two from 64 up to the mixed-step budget, with room for
-  MIXED_PREFILL_CHUNKS chunks. A step's decode rows take the smallest decode bucket that holds
+  (powers of two) by prefill-token buckets (powers of two from 64 up to the mixed-step budget),
+  with room for MIXED_PREFILL_CHUNKS chunks. A step's decode rows take the smallest decode bucket that holds
   them and its chunks' tokens the smallest prefill bucket: since d + p stays within the budget,
   a larger decode bucket needs only the smaller prefill buckets, which keeps the grid to about
   three times the decode ladder. The prefill kernel's grid comes from p, never from the live
@@ -79,9 +79,11 @@ def find_bucket(ladder: list[int], n: int) -> int | None:
     return next((bs for bs in ladder if bs >= n), None)
 
 
-def mixed_grid(decode_ladder: list[int], budget: int) -> list[tuple[int, int]]:
+def mixed_grid(max_bs: int, budget: int) -> list[tuple[int, int]]:
     """(decode bucket, prefill bucket) pairs that a step of at most `budget` tokens, at least one
-    of them decoding and one prefilling, can need."""
+    of them decoding and one prefilling, can need; both ladders powers of two (decode rows cost
+    little next to prefill tokens, so the coarser ladder pads them for half the graphs)."""
+    decode_ladder = [d for d in (1 << i for i in range(32)) if d < max_bs] + [max_bs]
     prefill_ladder = [p for p in (MIN_PREFILL_BUCKET << i for i in range(32)) if p < budget] + [budget]
     grid = []
     for smaller, d in zip([0] + decode_ladder, decode_ladder):
@@ -138,7 +140,8 @@ class CudaGraphRunner:
         self.ranks = [0] + (rank_buckets(config.max_lora_rank) if config.enable_lora else [])
         self.grid = []
         if config.attention_backend == "triton":
-            self.grid = mixed_grid(self.ladder, config.max_num_mixed_tokens)
+            self.grid = mixed_grid(self.ladder[-1], config.max_num_mixed_tokens)
+        self.mixed_ladder = sorted({d for d, _ in self.grid})
         self.stats = GraphStats()
         self.graphs: dict[StepShape, torch.cuda.CUDAGraph] = {}
         self.capture(forward, buffers)
@@ -196,7 +199,7 @@ class CudaGraphRunner:
         if prefill_tokens == 0 and (d := find_bucket(self.ladder, n)) is not None:
             shape = decode_shape(d, step.lora_rank)
         elif n and not step.lora_rank and len(step.context_lens) - n <= MIXED_PREFILL_CHUNKS:
-            d = find_bucket(self.ladder, n)
+            d = find_bucket(self.mixed_ladder, n)
             p = find_bucket([p for dd, p in self.grid if dd == d], prefill_tokens)
             if p is not None and len(step.temperatures) <= d + MIXED_PREFILL_CHUNKS:
                 shape = mixed_shape(d, p)
