@@ -97,7 +97,7 @@ class LLM(contextlib.AbstractContextManager):  # `with LLM(...) as llm:` closes 
                   self.tokenizer and self.tokenizer.eos_token_id)
         return frozenset(i for v in values if v is not None for i in (v if isinstance(v, list) else [v]))
 
-    def close(self) -> None:
+    def close(self):
         """Free the device memory (and with tensor parallelism, the workers) now, not at garbage
         collection: the next LLM sizes its KV cache from the memory it finds free."""
         self.runner.close()
@@ -194,7 +194,7 @@ class LLM(contextlib.AbstractContextManager):  # `with LLM(...) as llm:` closes 
         with self.driving():
             return self._make_request("request", prompt, sampling_params, lora_request).request_id
 
-    def abort_request(self, request_id: int) -> None:
+    def abort_request(self, request_id: int):
         """Stop a request and free its blocks now; the next `step` reports it finished ("abort").
         An unknown or finished id is ignored."""
         with self.driving():

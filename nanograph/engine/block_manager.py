@@ -66,7 +66,7 @@ class BlockManager:
             return None
         return self.blocks[block_id]
 
-    def allocate(self, seq: Sequence) -> None:
+    def allocate(self, seq: Sequence):
         """Give `seq` blocks for all its tokens, sharing the longest cached prefix (and its forks
         theirs)."""
         assert not seq.block_table
@@ -88,7 +88,7 @@ class BlockManager:
         for child in seq.forks if seq.num_prompt_tokens % self.block_size else ():
             child.block_table = [self._take_free_block()]
 
-    def register_computed_blocks(self, seq: Sequence, num_computed: int) -> None:
+    def register_computed_blocks(self, seq: Sequence, num_computed: int):
         """Enter the blocks of `seq` that its first `num_computed` tokens fill into the prefix cache.
         (The caller passes the count of a step that has run: `seq.num_computed_tokens` already
         counts steps still in flight, whose placeholder tokens cannot be hashed.)"""
@@ -103,7 +103,7 @@ class BlockManager:
                 self.hash_to_block_id.setdefault(block.hash, block.block_id)
             seq.num_hashed_blocks = i + 1
 
-    def free(self, seq: Sequence) -> None:
+    def free(self, seq: Sequence):
         for block_id in reversed(seq.block_table):
             block = self.blocks[block_id]
             block.ref_count -= 1

@@ -156,7 +156,7 @@ class CudaGraphRunner:
                 **self.stats.as_dict()}
 
     @torch.inference_mode()
-    def capture(self, forward, buffers: StepBuffers) -> None:
+    def capture(self, forward, buffers: StepBuffers):
         start, pool = time.perf_counter(), torch.cuda.graph_pool_handle()
         torch.cuda.synchronize()
         reserved, allocated = torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
@@ -186,7 +186,7 @@ class CudaGraphRunner:
         log.info("captured %d CUDA graphs (%d mixed) in %.1f s, %.1f MiB", len(shapes), len(self.grid),
                  self.capture_seconds, self.graph_memory_bytes / 2**20)
 
-    def close(self) -> None:
+    def close(self):
         """Destroy the graphs now, whoever still holds this runner. NCCL counts every graph that
         captured one of its collectives, and destroying the communicator waits for that count to
         reach zero: a graph left alive makes the tensor-parallel shutdown hang."""
@@ -208,7 +208,7 @@ class CudaGraphRunner:
             self.stats.eager[kind] += 1
         return shape
 
-    def replay(self, shape: StepShape, step: StepInput) -> None:
+    def replay(self, shape: StepShape, step: StepInput):
         self.graphs[shape].replay()
         self.stats.replays[shape] += 1
         if shape.prefill_tokens:

@@ -84,7 +84,9 @@ class ModelRunner:
         self.tokens = TokenTable(vocab, max_rows, self.device)
         self.graphs = None  # "no graphs" has one spelling: this stays None (run works before capture)
         self.num_kv_blocks = self.allocate_kv_cache()
-        if self.device.type == "cuda" and not config.enforce_eager and config.cuda_graph_max_bs != 0:
+        # the torch backend (the oracle) reads lengths on the host: it cannot be captured
+        capturable = config.attention_backend != "torch"
+        if self.device.type == "cuda" and capturable and not config.enforce_eager and config.cuda_graph_max_bs != 0:
             self.graphs = CudaGraphRunner(config, self.forward, self.buffers)
 
     # ---- KV cache ------------------------------------------------------------------------
@@ -108,7 +110,7 @@ class ModelRunner:
         self.bind_kv_cache(num_blocks)
         return num_blocks
 
-    def bind_kv_cache(self, num_blocks: int) -> None:
+    def bind_kv_cache(self, num_blocks: int):
         self.kv_cache = torch.zeros(2, len(self.attention_layers), num_blocks, *self.kv_block_shape,
                                     dtype=self.config.torch_dtype, device=self.device)
         for i, attn in enumerate(self.attention_layers):
@@ -139,7 +141,7 @@ class ModelRunner:
         return pinned.to(self.device, non_blocking=True)
 
     @torch.inference_mode()
-    def forward(self, shape: StepShape) -> None:
+    def forward(self, shape: StepShape):
         """The step laid out by `shape` in the static buffers: the model, then the logits and
         sampled ids of its sampling rows (into `self.logits` / `self.sampled`, and the token
         table). What a CUDA graph records and replays."""
@@ -177,24 +179,20 @@ class ModelRunner:
             self.forward(shape)
         rows = len(step.temperatures)
         logits, sampled = self.logits[:rows], self.sampled[:rows]
-        if step.top_ks is not None or step.banned:  # the filters the forward leaves out
-            sampled = self.resample(step, logits, self.buffers.views(shape))
+        if step.top_ks is not None or step.banned:  # the filters the forward leaves out: again
+            inputs = self.buffers.views(shape)
+            top = banned = None
+            if step.top_ks is not None:
+                top = (self.upload(step.top_ks, torch.int64), self.upload(step.top_ps, torch.float32))
+            if step.banned:
+                banned = tuple(self.upload(step.banned, torch.int64).T)
+            sampled = sample(logits, inputs["temperatures"][:rows], inputs["seeds"][:rows],
+                             inputs["sample_lens"][:rows], top=top, banned=banned)
+            self.tokens.put(sampled)
         if step.block_copies:  # forks' copies of their parent's partial block, once it is computed
             src, dst = self.upload(step.block_copies, torch.int64).T
             self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
         return logits, sampled
-
-    def resample(self, step: StepInput, logits: torch.Tensor, inputs: dict) -> torch.Tensor:
-        rows = len(step.temperatures)
-        top = banned = None
-        if step.top_ks is not None:
-            top = (self.upload(step.top_ks, torch.int64), self.upload(step.top_ps, torch.float32))
-        if step.banned:
-            banned = tuple(self.upload(step.banned, torch.int64).T)
-        sampled = sample(logits, inputs["temperatures"][:rows], inputs["seeds"][:rows],
-                         inputs["sample_lens"][:rows], top=top, banned=banned)
-        self.tokens.put(sampled)
-        return sampled
 
     @torch.inference_mode()
     def launch(self, batch: Batch) -> InFlight:
@@ -211,23 +209,18 @@ class ModelRunner:
 
     @staticmethod
     def collect(launched: InFlight) -> tuple[list[int], list[dict] | None]:
-        """The step's sampled ids and, when some row asked, each row's {token id: logprob}
-        (its top N and the sampled token's; None for a row that did not ask)."""
+        """The step's sampled ids and, when some row asked, each row's {token id: logprob}: its
+        top N and the sampled token's (a row that did not ask gets the sampled token's alone)."""
         if launched.done is not None:
             launched.done.synchronize()
         ids = launched.tokens.tolist()
         if launched.logprobs is None:
             return ids, None
-        chosen, top_values, top_ids = (t.tolist() for t in launched.logprobs)
-        rows = []
-        for row, n in enumerate(launched.num_logprobs):
-            entry = dict(zip(top_ids[row][:n], top_values[row][:n])) if n >= 0 else None
-            if entry is not None:
-                entry[ids[row]] = chosen[row]
-            rows.append(entry)
-        return ids, rows
+        chosen, values, top_ids = (t.tolist() for t in launched.logprobs)
+        rows = zip(ids, chosen, values, top_ids, launched.num_logprobs)
+        return ids, [dict(zip(i[:max(n, 0)], v)) | {t: c} for t, c, v, i, n in rows]
 
-    def close(self) -> None:
+    def close(self):
         if self.graphs is not None:
             self.graphs.close()
         self.graphs = self.model = self.kv_cache = self.attention_layers = None

@@ -157,7 +157,7 @@ class Scheduler:
     def adapters_in_use(self, seqs) -> set:
         return {s.adapter for s in (*self.running, *seqs) if s.adapter}
 
-    def assign_slots(self, batch: Batch) -> None:
+    def assign_slots(self, batch: Batch):
         if not (adapters := {s.adapter for s in batch.seqs if s.adapter}):
             return  # the base model's step: no slots, rank 0
         for adapter in adapters:
@@ -197,7 +197,7 @@ class Scheduler:
             seq.forks = []
         return batch
 
-    def add_row(self, batch: Batch, seq: Sequence, source: int) -> None:
+    def add_row(self, batch: Batch, seq: Sequence, source: int):
         seq.token_ids.append(-1 - len(batch.rows))
         batch.rows.append(seq)
         batch.row_sources.append(source)
@@ -208,7 +208,7 @@ class Scheduler:
         """Whether a sequence of `length` tokens has no room for another (max_tokens, max_model_len)."""
         return length - seq.num_prompt_tokens >= seq.params.max_tokens or length >= self.max_model_len
 
-    def preempt(self, seq: Sequence) -> None:
+    def preempt(self, seq: Sequence):
         self.block_manager.free(seq)
         seq.status, seq.num_computed_tokens = Status.WAITING, 0
         # behind a part-prefilled head, which holds blocks and must finish first
@@ -242,7 +242,7 @@ class Scheduler:
             updated.append(seq)
         return updated
 
-    def finish(self, seq: Sequence, reason: str = "abort", stop_reason: int | str | None = None) -> None:
+    def finish(self, seq: Sequence, reason: str = "abort", stop_reason: int | str | None = None):
         """Done or aborted: drop the placeholders of steps scheduled after its last token, free its
         blocks (and its forks'), take it off whichever queue holds it."""
         if seq.status == Status.FINISHED:

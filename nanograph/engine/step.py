@@ -162,7 +162,7 @@ class StepBuffers:
         views["block_tables"] = flat[start:start + shape.seqs * self.max_blocks].view(shape.seqs, self.max_blocks)
         return views
 
-    def fill(self, step: StepInput, shape: StepShape) -> None:
+    def fill(self, step: StepInput, shape: StepShape):
         """Copy `step` into the layout of `shape`, padding what it does not fill."""
         flat = self.host_flats[self.turn]
         self.turn ^= 1
@@ -206,6 +206,6 @@ class TokenTable:
     def resolve(self, ids: torch.Tensor) -> torch.Tensor:
         return self.ids[ids]
 
-    def put(self, sampled: torch.Tensor) -> None:
+    def put(self, sampled: torch.Tensor):
         """Keep a step's sampled ids for the next step's placeholders."""
         self.ids.index_copy_(0, self.rows[:len(sampled)], sampled)

@@ -57,7 +57,7 @@ STEP_TIMEOUT = datetime.timedelta(minutes=10)  # a collective inside a step (or 
 IDLE_TIMEOUT = datetime.timedelta(days=365)    # a worker waits this long for the next step
 
 
-def init_distributed(config: Config, rank: int, store: dist.Store) -> None:
+def init_distributed(config: Config, rank: int, store: dist.Store):
     """Join the default group (model collectives)."""
     if (cuda := torch.device(config.device).type == "cuda"):
         torch.cuda.set_device(rank)
@@ -67,7 +67,7 @@ def init_distributed(config: Config, rank: int, store: dist.Store) -> None:
                             world_size=config.tensor_parallel_size, timeout=STEP_TIMEOUT)
 
 
-def send_step(step: StepInput | None, group) -> None:
+def send_step(step: StepInput | None, group):
     """Rank 0: the step to every worker, pickled (None: the workers exit)."""
     dist.broadcast_object_list([step], src=0, group=group)
 
@@ -78,7 +78,7 @@ def receive_step(group) -> StepInput | None:
     return message[0]
 
 
-def worker_main(config: Config, rank: int, port: int) -> None:
+def worker_main(config: Config, rank: int, port: int):
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the parent, which then shuts us down
     threading.Thread(target=lambda: (mp.parent_process().join(), os._exit(1)), daemon=True).start()  # orphaned: exit
     store = dist.TCPStore("127.0.0.1", port, config.tensor_parallel_size, is_master=False, timeout=STEP_TIMEOUT)
@@ -92,7 +92,7 @@ def worker_main(config: Config, rank: int, port: int) -> None:
     dist.destroy_process_group()
 
 
-def shutdown(procs: list, group_ref: list, num_threads: int) -> None:
+def shutdown(procs: list, group_ref: list, num_threads: int):
     """Ask the workers to exit, destroy the process groups with them, reap them. Runs once.
 
     NCCL tears a communicator down collectively, so rank 0 destroys its groups while the workers
@@ -175,7 +175,7 @@ class TensorParallelRunner(ModelRunner):
             send_step(step, self.group_ref[0])
         return super().run(step)
 
-    def close(self) -> None:
+    def close(self):
         if getattr(self, "model", None) is not None:
             super().close()
         self._finalizer()

@@ -8,8 +8,9 @@ the *end* of their context: causal masking is bottom-right aligned); decode step
 one query per sequence.
 
 - `torch`: the reference. It gathers each sequence's K/V through its block table and calls
-  scaled_dot_product_attention with an explicit mask. Slow but obviously right; runs anywhere;
-  the oracle every other backend is tested against.
+  scaled_dot_product_attention with an explicit mask, a sequence at a time. Slow but obviously
+  right; runs anywhere (eagerly: it reads the lengths on the host); the oracle every other
+  backend is tested against.
 - `triton`: nanograph's own kernels (nanograph/kernels), reading the cache in place. They
   never synchronise with the host, so decode can be captured in a CUDA graph. For prefill, norm,
   rotary and the K/V store are one kernel (kernels/kv_store.py); decode hands all of it to
@@ -46,12 +47,16 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
 
 
 # The backends' attention, each (q, k_cache, v_cache, inputs, scale) with q rotated and the new
-# K/V stored: a prefill function attends a prefill part, a decode function a decode part.
+# K/V stored: a prefill function attends a prefill part, a decode function a decode part (whose
+# inputs have no query offsets: one query a sequence).
 
-def torch_prefill(q, k_cache, v_cache, inputs: AttentionInputs, scale: float) -> torch.Tensor:
+def torch_attend(q, k_cache, v_cache, inputs: AttentionInputs, scale: float) -> torch.Tensor:
+    """Either part: each sequence's keys gathered through its block table, then SDPA."""
     out = torch.empty_like(q)
-    cu = inputs.cu_seqlens_q.tolist()  # the oracle may wait for the device: it slices on the host
-    for s, ctx in enumerate(inputs.context_lens.tolist()):
+    # the oracle may wait for the device: it slices on the host (so it runs outside CUDA graphs)
+    lens = inputs.context_lens.tolist()
+    cu = range(len(lens) + 1) if inputs.cu_seqlens_q is None else inputs.cu_seqlens_q.tolist()
+    for s, ctx in enumerate(lens):
         tables = inputs.block_tables[s:s + 1]
         k, v = (gather_kv(cache, tables)[0, :ctx].transpose(0, 1) for cache in (k_cache, v_cache))
         qs = q[cu[s]:cu[s + 1]].transpose(0, 1)  # [Hq, q_len, D]; k, v: [Hkv, ctx, D]
@@ -62,16 +67,6 @@ def torch_prefill(q, k_cache, v_cache, inputs: AttentionInputs, scale: float) ->
         o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         out[cu[s]:cu[s + 1]] = o.transpose(0, 1)
     return out
-
-
-def torch_decode(q, k_cache, v_cache, inputs: AttentionInputs, scale: float) -> torch.Tensor:
-    # [B, Hkv, L, D]
-    k, v = (gather_kv(cache, inputs.block_tables).transpose(1, 2) for cache in (k_cache, v_cache))
-    mask = torch.arange(k.shape[2], device=q.device)[None, :] < inputs.context_lens[:, None]
-    mask[:, 0] = True  # padded rows (context 0) attend to one junk key instead of producing NaN
-    out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :],
-                                         scale=scale, enable_gqa=True)
-    return out.squeeze(2)
 
 
 def triton_prefill(q, k_cache, v_cache, inputs: AttentionInputs, scale: float) -> torch.Tensor:
@@ -101,7 +96,7 @@ def flash_attn_decode(q, k_cache, v_cache, inputs: AttentionInputs, scale: float
 
 
 # name -> (prefill, decode); triton's decode rotates, stores and attends in one kernel
-ATTEND = {"torch": (torch_prefill, torch_decode), "triton": (triton_prefill, None),
+ATTEND = {"torch": (torch_attend, torch_attend), "triton": (triton_prefill, None),
           "flash_attn": (flash_attn_prefill, flash_attn_decode)}
 
 

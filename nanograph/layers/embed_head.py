@@ -22,7 +22,7 @@ class VocabParallelEmbedding(nn.Module):
         # the last part may be padded
         self.weight = parameter(torch.zeros(self.part, dim), self.weight_loader)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None):
         rows = loaded[self.start:self.start + self.part]
         param.data[:rows.shape[0]].copy_(rows)
 

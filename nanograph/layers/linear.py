@@ -93,11 +93,11 @@ class ColumnParallelLinear(nn.Module):
         rows = self.weight.shape[0]
         return 0, rows, tp_rank() * rows
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None):
         offset, rows, start = self.shard_range(shard_id)
         param.data[offset:offset + rows].copy_(loaded[start:start + rows])
 
-    def load_lora(self, slot: int, shard_id, a: torch.Tensor, b: torch.Tensor) -> None:
+    def load_lora(self, slot: int, shard_id, a: torch.Tensor, b: torch.Tensor):
         """All of A (every rank sees the whole input), this rank's rows of B, as for the weight."""
         offset, rows, start = self.shard_range(shard_id)
         self.lora_a[slot, self.part_starts.index(offset), :a.shape[0]] = a
@@ -167,10 +167,10 @@ class RowParallelLinear(nn.Module):
                                 self.weight_loader)
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None  # whole on every rank
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None):
         param.data.copy_(loaded.tensor_split(tp_size(), dim=1)[tp_rank()])
 
-    def load_lora(self, slot: int, shard_id, a: torch.Tensor, b: torch.Tensor) -> None:
+    def load_lora(self, slot: int, shard_id, a: torch.Tensor, b: torch.Tensor):
         """This rank's columns of A (its share of the input), all of B: the delta is a partial sum
         too."""
         self.lora_a[slot, 0, :a.shape[0], :self.weight.shape[1]] = \

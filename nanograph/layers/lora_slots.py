@@ -58,7 +58,7 @@ def lora_targets(model) -> list:
     return [m for m in model.modules() if hasattr(m, "load_lora")]
 
 
-def add_lora_buffers(model, max_loras: int, max_rank: int) -> None:
+def add_lora_buffers(model, max_loras: int, max_rank: int):
     """The slots of every target layer; a producer's lora_a also has room for its fold, after its own parts."""
     folds = {producer: consumer for producer, consumer, _ in model.lora_folds()}
     for layer in lora_targets(model):
@@ -70,7 +70,7 @@ def add_lora_buffers(model, max_loras: int, max_rank: int) -> None:
 
 
 @torch.no_grad()
-def load_adapter(model, slot: int, adapter: Adapter) -> None:
+def load_adapter(model, slot: int, adapter: Adapter):
     for layer in lora_targets(model):
         layer.lora_a[slot], layer.lora_b[slot] = 0, 0
     for path, a, b in adapter_weights(adapter):

@@ -39,7 +39,7 @@ class StepMetadata:
 _metadata: StepMetadata | None = None
 
 
-def set_step_metadata(metadata: StepMetadata | None) -> None:
+def set_step_metadata(metadata: StepMetadata | None):
     global _metadata
     _metadata = metadata
 

@@ -78,7 +78,7 @@ def read_tensors(file: str):
             f"cannot read {file!r} (truncated or not a safetensors file?): {e}") from None
 
 
-def load_weights(model: nn.Module, model_dir: str) -> None:
+def load_weights(model: nn.Module, model_dir: str):
     files = weight_files(model_dir)
     if not files:
         raise ValueError(f"model {model_dir!r}: no .safetensors files "
@@ -117,7 +117,7 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
 
 
 @torch.no_grad()
-def init_dummy_weights(model: nn.Module, seed: int) -> None:
+def init_dummy_weights(model: nn.Module, seed: int):
     gen = torch.Generator(next(model.parameters()).device).manual_seed(seed)
     for name, param in model.named_parameters():
         if param.dim() > 1:
