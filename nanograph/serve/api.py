@@ -5,7 +5,7 @@ engine thread, which answers with the request id or the ValueError that refused 
 does the response start. Streamed, each step dict becomes a chunk per completion that got
 something new in it (`deltas`); not streamed, the last dict is the answer. Errors have OpenAI's
 body, `{"error": {"message", "type", "param", "code"}}`: 400 for a bad request, 404 for an
-unknown model, 503 until the engine is ready, 500 when a step fails.
+unknown model, 503 until the engine is ready, 500 when a step fails (EngineError).
 """
 import json
 import time
@@ -24,18 +24,23 @@ from nanograph.serve.protocol import ChatRequest, CompletionRequest
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, param=None, code=None):
-        kind = "invalid_request_error" if status < 500 else "server_error"
-        self.body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+        self.body = {"error": {"message": message,
+                               "type": "invalid_request_error" if status < 500 else "server_error",
+                               "param": param,
+                               "code": code}}
         self.response = JSONResponse(self.body, status_code=status)
 
 
 def create_app(engine: EngineThread, served_model: str, loras: dict[str, LoRARequest]) -> FastAPI:
     app = FastAPI(title="nanograph")
-    started = int(time.time())
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, error: APIError):
         return error.response
+
+    @app.exception_handler(EngineError)
+    async def engine_error(request: Request, error: EngineError):
+        return APIError(500, str(error)).response
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, error: RequestValidationError):
@@ -46,11 +51,13 @@ def create_app(engine: EngineThread, served_model: str, loras: dict[str, LoRAReq
         path = ".".join(map(str, where))
         return APIError(400, f"{path}: {first['msg']}", param=where[0]).response
 
+    def check_ready():
+        if not engine.ready.is_set():
+            raise APIError(503, engine.error or "the engine is not ready")
+
     @app.get("/health")
     async def health():
-        if engine.ready.is_set():
-            return Response()
-        return APIError(503, engine.error or "the engine is not ready").response
+        check_ready()
 
     @app.get("/metrics")
     async def metrics():
@@ -59,7 +66,7 @@ def create_app(engine: EngineThread, served_model: str, loras: dict[str, LoRAReq
     @app.get("/v1/models")
     async def models():
         return {"object": "list",
-                "data": [{"id": name, "object": "model", "created": started,
+                "data": [{"id": name, "object": "model", "created": int(time.time()),
                           "owned_by": "nanograph"} for name in [served_model, *loras]]}
 
     @app.post("/v1/completions")
@@ -79,8 +86,7 @@ def create_app(engine: EngineThread, served_model: str, loras: dict[str, LoRAReq
         return loras[model]
 
     async def generate(request: Request, body: CompletionRequest | ChatRequest):
-        if not engine.ready.is_set():
-            raise APIError(503, engine.error or "the engine is not ready")
+        check_ready()
         try:
             job = Job(**body.job(engine.llm.config.max_model_len), lora=adapter(body.model))
             outputs = engine.generate(job)
@@ -92,12 +98,9 @@ def create_app(engine: EngineThread, served_model: str, loras: dict[str, LoRAReq
         if body.stream:
             return StreamingResponse(reply.events(outputs, body.stream_options.include_usage),
                                      media_type="text/event-stream")
-        try:
-            async for out in outputs:
-                if await request.is_disconnected():  # leaving early aborts it (outputs' finally)
-                    return Response(status_code=499)
-        except EngineError as e:
-            raise APIError(500, str(e)) from None
+        async for out in outputs:
+            if await request.is_disconnected():  # leaving early aborts it (outputs' finally)
+                return Response(status_code=499)
         return reply.whole(out)
 
     return app
@@ -110,19 +113,20 @@ class Reply:
     model: str
     tokenizer: object        # for the logprobs' token strings; None: "token_id:N"
     top_logprobs: int | None
-    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    id: str = field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex}")
     created: int = field(default_factory=lambda: int(time.time()))
 
     def head(self, stream: bool) -> dict:
         kind = "text_completion"
         if self.chat:
             kind = "chat.completion.chunk" if stream else "chat.completion"
-        return {"id": f"cmpl-{self.id}", "object": kind,
+        return {"id": self.id, "object": kind,
                 "created": self.created, "model": self.model}
 
     def whole(self, out: dict) -> dict:
-        choices = [self.choice(i, c, stream=False) for i, c in enumerate(out["outputs"])]
-        return {**self.head(stream=False), "choices": choices, "usage": usage(out)}
+        return {**self.head(stream=False),
+                "choices": [self.choice(i, c, stream=False) for i, c in enumerate(out["outputs"])],
+                "usage": usage(out)}
 
     async def events(self, outputs, usage_chunk: bool):
         """Server-sent events: chunks as the steps come, then `data: [DONE]`."""

@@ -67,14 +67,15 @@ def parse_args(argv):
 class Server(uvicorn.Server):
     """uvicorn's server, which stops the engine first when it shuts down (SIGTERM, Ctrl-C, or
     the engine thread's end): every open stream ends at once, so uvicorn's wait for the
-    connections to close is short; then it waits for the engine thread to close the LLM."""
+    connections to close is short; then it waits for the engine thread to close the LLM (for
+    15 s at most: an engine still building, or stuck in a step, is left to the process's end)."""
 
     engine: EngineThread
 
     async def shutdown(self, sockets=None):
         self.engine.stop()
         await super().shutdown(sockets)
-        await asyncio.to_thread(self.engine.thread.join)
+        await asyncio.to_thread(self.engine.thread.join, 15)
 
 
 def main(argv=None):
@@ -95,5 +96,5 @@ def main(argv=None):
         engine.thread.start()  # builds the LLM while uvicorn opens the port
         with contextlib.suppress(KeyboardInterrupt):
             server.run()
-    if engine.error is not None:
+    if engine.error:
         sys.exit(f"nanograph-serve: {engine.error}")

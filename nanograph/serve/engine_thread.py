@@ -95,7 +95,7 @@ class EngineThread:
             time.sleep(float(os.environ.get("NANOGRAPH_SERVE_BUILD_DELAY", 0)))
             self.llm = LLM(model, **knobs)
             self.tokenizer = copy.deepcopy(self.llm.tokenizer)
-            self.metrics.update(self.llm)
+            self.metrics.update(self.llm, time.perf_counter())
             self.ready.set()
             logger.info("engine ready: %s", model)
             while self.take_messages(block=not self.llm.has_unfinished_requests()):
@@ -154,7 +154,7 @@ class EngineThread:
                 raise
             return
         now = time.perf_counter()
-        self.metrics.update(self.llm)  # first: a client that sees its end sees the gauges after it
+        self.metrics.update(self.llm, now)  # first: a client that sees its end sees them after it
         for out in outputs:
             job = self.jobs[out["request_id"]]
             self.metrics.record(job, out, now)

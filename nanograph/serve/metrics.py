@@ -29,18 +29,19 @@ class Metrics:
         def make(kind, name: str, doc: str, **kwargs):
             return kind(f"nanograph:{name}", doc, registry=self.registry, **kwargs)
 
-        def histogram(name: str, doc: str):
-            return make(Histogram, name, doc, buckets=LATENCY_BUCKETS)
-
-        self.ttft = histogram("time_to_first_token_seconds", "Time to first token")
-        self.itl = histogram("inter_token_latency_seconds", "Time between two steps' tokens")
-        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish")
+        self.ttft = make(Histogram, "time_to_first_token_seconds", "Time to first token",
+                         buckets=LATENCY_BUCKETS)
+        self.itl = make(Histogram, "inter_token_latency_seconds", "Time between two steps' tokens",
+                        buckets=LATENCY_BUCKETS)
+        self.e2e = make(Histogram, "e2e_request_latency_seconds", "Arrival to finish",
+                        buckets=LATENCY_BUCKETS)
         self.prompt_tokens = make(Counter, "prompt_tokens", "Prompt tokens of finished requests")
         self.generation_tokens = make(Counter, "generation_tokens", "Tokens generated")
         self.running = make(Gauge, "num_requests_running", "Sequences running")
         self.waiting = make(Gauge, "num_requests_waiting", "Sequences waiting")
         self.kv_usage = make(Gauge, "kv_cache_usage_perc", "Share of KV blocks in use (0 to 1)")
         self.stats = {key: make(Gauge, name, doc) for key, (name, doc) in STATS_GAUGES.items()}
+        self.stats_time = -1.0
 
     def record(self, job, out: dict, now: float):
         """A step dict of `job` (engine_thread.Job) came out at `now`."""
@@ -57,12 +58,16 @@ class Metrics:
             self.e2e.observe(now - job.arrival)
             self.prompt_tokens.inc(len(out["prompt_token_ids"]))
 
-    def update(self, llm):
-        """The gauges, from the LLM's state after a step (in the engine thread)."""
+    def update(self, llm, now: float):
+        """The gauges, from the LLM's state after a step (in the engine thread). llm.stats()
+        takes tens of microseconds: once a second, and when the engine goes idle."""
         self.running.set(len(llm.scheduler.running))
         self.waiting.set(len(llm.scheduler.waiting))
         blocks = llm.block_manager
         self.kv_usage.set(1 - blocks.num_free_blocks / len(blocks.blocks))
+        if now - self.stats_time < 1 and llm.has_unfinished_requests():
+            return
+        self.stats_time = now
         stats = llm.stats()
         for key, gauge in self.stats.items():
             if key in stats:

@@ -9,7 +9,7 @@ it unchanged, so its own checks (ranges, types) answer bad values.
 from dataclasses import fields
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
 from nanograph import SamplingParams
 
@@ -76,8 +76,8 @@ class Message(Strict):
 
 class ChatRequest(Body):
     messages: list[Message]
-    max_tokens: int | None = None      # None: up to the model's length
-    max_completion_tokens: int | None = None   # OpenAI's newer name for it
+    max_tokens: int | None = Field(  # None: up to the model's length. (Or by OpenAI's newer name)
+        None, validation_alias=AliasChoices("max_completion_tokens", "max_tokens"))
     logprobs: bool = False
     top_logprobs: int | None = None    # with logprobs: the top N per token
     chat_template_kwargs: dict | None = None
@@ -85,8 +85,7 @@ class ChatRequest(Body):
     def job(self, max_model_len: int) -> dict:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
-        given = [n for n in (self.max_completion_tokens, self.max_tokens) if n is not None]
-        max_tokens = given[0] if given else max_model_len
+        max_tokens = self.max_tokens if self.max_tokens is not None else max_model_len
         top_logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return dict(params=self.sampling_params(max_tokens, top_logprobs),
                     messages=[message.model_dump(exclude_none=True) for message in self.messages],
