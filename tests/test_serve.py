@@ -132,8 +132,11 @@ def test_models_lists_the_model_and_its_lora_modules(client):
 
 
 def test_metrics_has_vllms_names_and_the_graphs(server, client):
-    client.completions.create(model=MODEL, prompt="hello", max_tokens=3)
+    prompt = "the quick brown fox jumps over the lazy dog. " * 2  # two KV blocks and more
+    for _ in range(2):  # the second finds the first's blocks in the prefix cache
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=3)
     names = server.metrics()
+    assert names["nanograph:prefix_cache_hit_tokens"] >= 16  # (llm.stats(), read when idle)
     for histogram in ("time_to_first_token_seconds", "inter_token_latency_seconds",
                       "e2e_request_latency_seconds"):
         assert f"nanograph:{histogram}_count" in names
