@@ -1,0 +1,3 @@
+from nanograph.serve.cli import main
+
+main()

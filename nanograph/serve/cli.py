@@ -1,0 +1,100 @@
+"""`nanograph-serve` / `python -m nanograph.serve`: flags, start-up and shutdown.
+
+Every field of nanograph.config.Config is a flag, made from the dataclass (`max_model_len` ->
+`--max-model-len`, a bool -> `--enforce-eager` / `--no-enforce-eager`, a list -> several
+values); one not given is not passed, so the LLM's own default holds.
+"""
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import sys
+import types
+import typing
+
+import uvicorn
+
+from nanograph import LoRARequest
+from nanograph.config import Config
+from nanograph.serve.api import create_app
+from nanograph.serve.engine_thread import EngineThread
+from nanograph.serve.shell import chat_shell
+
+
+def add_knob(group, knob: dataclasses.Field):
+    """The flag for one Config field: its type without `| None`, its default left to Config."""
+    kind = next((t for t in typing.get_args(knob.type) if t is not types.NoneType), knob.type)
+    flag = "--" + knob.name.replace("_", "-")
+    options = dict(default=argparse.SUPPRESS, help=f"(default: {knob.default})")
+    if kind is bool:
+        options.update(action=argparse.BooleanOptionalAction)
+    elif typing.get_origin(kind) is list:
+        options.update(nargs="+", type=typing.get_args(kind)[0])
+    else:
+        options.update(type=kind)
+    group.add_argument(flag, **options)
+
+
+def parse_args(argv):
+    """The flags, the LLM's knobs that were given, and the LoRA modules by name."""
+    parser = argparse.ArgumentParser(prog="nanograph-serve",
+                                     description="An OpenAI-compatible server for nanograph.")
+    parser.add_argument("model", help="a local HF-format directory or a hub id")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--served-model-name", help="the name clients use (default: MODEL)")
+    parser.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                        help="PEFT adapters, chosen by naming them as the request's model")
+    parser.add_argument("--shell", action="store_true", help="chat in the terminal instead")
+    engine_flags = parser.add_argument_group("engine knobs (nanograph.LLM's)")
+    knobs = [knob for knob in dataclasses.fields(Config) if knob.name != "model"]
+    for knob in knobs:
+        add_knob(engine_flags, knob)
+    args = parser.parse_args(argv)
+    given = {knob.name: getattr(args, knob.name) for knob in knobs if hasattr(args, knob.name)}
+    loras = {}
+    for module in args.lora_modules:
+        name, _, path = module.partition("=")
+        if not name or not path:
+            parser.error(f"--lora-modules takes NAME=PATH, got {module!r}")
+        loras[name] = LoRARequest(name, path)
+    if loras:
+        given.setdefault("enable_lora", True)
+    return args, given, loras
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server, which stops the engine first when it shuts down (SIGTERM, Ctrl-C, or
+    the engine thread's end): every open stream ends at once, so uvicorn's wait for the
+    connections to close is short; then it waits for the engine thread to close the LLM (for
+    15 s at most: an engine still building, or stuck in a step, is left to the process's end)."""
+
+    engine: EngineThread
+
+    async def shutdown(self, sockets=None):
+        self.engine.stop()
+        await super().shutdown(sockets)
+        await asyncio.to_thread(self.engine.thread.join, 15)
+
+
+def main(argv=None):
+    args, knobs, loras = parse_args(argv)
+    logging.basicConfig(level=logging.INFO)
+    engine = EngineThread(args.model, knobs)
+    if args.shell:
+        engine.thread.start()
+        with contextlib.suppress(KeyboardInterrupt):
+            asyncio.run(chat_shell(engine))
+        engine.stop()
+        engine.thread.join()
+    else:
+        app = create_app(engine, args.served_model_name or args.model, loras)
+        server = Server(uvicorn.Config(app, host=args.host, port=args.port))
+        server.engine = engine
+        engine.on_exit = lambda: setattr(server, "should_exit", True)
+        engine.thread.start()  # builds the LLM while uvicorn opens the port
+        with contextlib.suppress(KeyboardInterrupt):
+            server.run()
+    if engine.error:
+        sys.exit(f"nanograph-serve: {engine.error}")

@@ -1,0 +1,44 @@
+"""`--shell`: a chat in the terminal, on the same engine thread as the server (no HTTP).
+
+The conversation is kept and sent whole each turn, through the model's chat template; the reply
+is printed as it streams. `/reset` forgets the conversation, `/exit` (or Ctrl-D) quits.
+"""
+import asyncio
+
+from nanograph import SamplingParams
+from nanograph.serve.engine_thread import EngineError, EngineThread, Job
+
+
+async def chat_shell(engine: EngineThread):
+    loop = asyncio.get_running_loop()
+    if not await loop.run_in_executor(None, engine.wait_ready):
+        return  # the build failed: cli.py says why
+    print("nanograph chat: /reset forgets the conversation, /exit or Ctrl-D quits")
+    history = []
+    while True:
+        try:
+            line = await loop.run_in_executor(None, input, "> ")
+        except EOFError:
+            return
+        command = line.strip()
+        if command == "/exit":
+            return
+        if command == "/reset":
+            history.clear()
+            print("(conversation reset)")
+            continue
+        history.append({"role": "user", "content": line})
+        params = SamplingParams(max_tokens=engine.llm.config.max_model_len)
+        outputs = engine.generate(Job(params, messages=history))
+        text = ""
+        try:
+            await anext(outputs)  # its request id
+            async for out in outputs:
+                print(out["text"][len(text):], end="", flush=True)
+                text = out["text"]
+        except (ValueError, EngineError) as e:
+            print(f"error: {e}")
+            history.pop()
+            continue
+        print()
+        history.append({"role": "assistant", "content": text})

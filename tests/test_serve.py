@@ -1,0 +1,475 @@
+"""The OpenAI-compatible server (nanograph/serve/): a real server on 127.0.0.1, started here as a
+subprocess on the tiny text_model checkpoint (a real BPE tokenizer and a chat template), driven by
+the official `openai` client and plain HTTP (httpx). Its answers are checked against offline
+LLM.generate / LLM.chat on the same weights and knobs: greedy, and sampling with a seed (its own
+noise stream, so the batch it lands in does not matter).
+"""
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+import torch
+
+from nanograph import LLM, SamplingParams
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+KNOBS = dict(device="cpu", kvcache_block_size=16, num_kvcache_blocks=64, max_model_len=256)
+MODEL = "tiny"  # --served-model-name
+GREEDY = dict(temperature=0.0)
+SEEDED = dict(temperature=0.9, top_p=0.9, seed=7)
+
+
+def as_flags(knobs: dict) -> list[str]:
+    return [arg for name, value in knobs.items()
+            for arg in (f"--{name.replace('_', '-')}", str(value))]
+
+
+def server_env(**extra) -> dict:
+    path = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
+class Server:
+    """`python -m nanograph.serve MODEL --port P FLAGS...` in a subprocess; its log in a file."""
+
+    def __init__(self, model: str, flags: list[str], log_path, **env):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        command = [sys.executable, "-m", "nanograph.serve", model, "--port", str(self.port), *flags]
+        with open(log_path, "w") as log:
+            self.proc = subprocess.Popen(command, env=server_env(**env), stdout=log,
+                                         stderr=subprocess.STDOUT)
+        self.health = []  # the /health statuses seen while starting, without repeats
+
+    def wait_ready(self, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            try:
+                status = httpx.get(self.url + "/health", timeout=5).status_code
+            except httpx.TransportError:  # the port is not open yet
+                status = None
+            if status is not None and self.health[-1:] != [status]:
+                self.health.append(status)
+            if status == 200:
+                return
+            time.sleep(0.02)
+        raise AssertionError(f"the server did not become ready:\n{self.log()}")
+
+    def log(self) -> str:
+        with open(self.log_path) as f:
+            return f.read()
+
+    def metrics(self) -> dict[str, float]:
+        """The /metrics samples (without labels) by name."""
+        text = httpx.get(self.url + "/metrics").text
+        samples = (line.split() for line in text.splitlines() if line and not line.startswith("#"))
+        return {sample[0]: float(sample[1]) for sample in samples if "{" not in sample[0]}
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def lora(adapters):
+    return adapters("qwen3")["qv8"]  # for tiny_model("qwen3"): the same weights as text_model's
+
+
+@pytest.fixture(scope="module")
+def server(text_model, lora, tmp_path_factory):
+    flags = as_flags(KNOBS) + ["--served-model-name", MODEL,
+                               "--enable-lora", "--lora-modules", f"qv8={lora.path}"]
+    # the build waits a moment, so that /health's 503 is seen before the 200
+    server = Server(text_model("qwen3"), flags, tmp_path_factory.mktemp("serve") / "log",
+                    NANOGRAPH_SERVE_BUILD_DELAY="0.5")
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def offline(text_model):
+    return LLM(text_model("qwen3"), **KNOBS, enable_lora=True)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+
+
+def generate(llm: LLM, prompt, lora=None, **params) -> dict:
+    return llm.generate([prompt], SamplingParams(**params), use_tqdm=False, lora_request=lora)[0]
+
+
+def chat(llm: LLM, messages: list[dict], **params) -> dict:
+    return llm.chat(messages, SamplingParams(**params), use_tqdm=False)[0]
+
+
+# ---- readiness, models, metrics ----------------------------------------------------------------
+def test_health_is_503_until_the_engine_is_built_then_200(server):
+    assert server.health == [503, 200]
+    body = httpx.get(server.url + "/health")
+    assert body.status_code == 200
+
+
+def test_models_lists_the_model_and_its_lora_modules(client):
+    assert [model.id for model in client.models.list().data] == [MODEL, "qv8"]
+
+
+def test_metrics_has_vllms_names_and_the_graphs(server, client):
+    prompt = "the quick brown fox jumps over the lazy dog. " * 2  # two KV blocks and more
+    for _ in range(2):  # the second finds the first's blocks in the prefix cache
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=3)
+    names = server.metrics()
+    assert names["nanograph:prefix_cache_hit_tokens"] >= 16  # (llm.stats(), read when idle)
+    for histogram in ("time_to_first_token_seconds", "inter_token_latency_seconds",
+                      "e2e_request_latency_seconds"):
+        assert f"nanograph:{histogram}_count" in names
+    for counter in ("prompt_tokens_total", "generation_tokens_total"):
+        assert names[f"nanograph:{counter}"] > 0
+    for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+                  "decode_graph_hit_rate", "decode_graph_padding_waste", "num_cuda_graphs",
+                  "cuda_graph_memory_bytes"):
+        assert f"nanograph:{gauge}" in names
+    assert names["nanograph:time_to_first_token_seconds_count"] >= 1
+
+
+# ---- answers equal the offline engine's ----------------------------------------------------------
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_completions_match_offline_generate(client, offline, sampling):
+    prompt = "the quick brown fox"
+    want = generate(offline, prompt, max_tokens=12, **sampling)
+    whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, **sampling)
+    assert whole.choices[0].text == want["text"]
+    assert whole.choices[0].finish_reason == want["finish_reason"]
+    assert whole.usage.completion_tokens == len(want["token_ids"])
+    assert whole.usage.prompt_tokens == len(offline.tokenizer.encode(prompt))
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, stream=True,
+                                            **sampling))
+    assert "".join(chunk.choices[0].text for chunk in chunks) == want["text"]
+    assert chunks[-1].choices[0].finish_reason == want["finish_reason"]
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_chat_matches_offline_chat(client, offline, sampling):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+    want = chat(offline, messages, max_tokens=10, **sampling)
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10,
+                                           **sampling)
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.choices[0].message.content == want["text"]
+    assert whole.usage.completion_tokens == len(want["token_ids"])
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10,
+                                            stream=True, stream_options={"include_usage": True},
+                                            **sampling)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want["text"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(want["token_ids"])
+
+
+def test_token_id_prompts_and_vllms_extra_fields(client, offline):
+    prompt = [5, 17, 42, 99, 150]
+    extra = dict(top_k=5, min_tokens=6, ignore_eos=True, stop_token_ids=[7],
+                 skip_special_tokens=False)
+    want = generate(offline, prompt, max_tokens=8, seed=3, **extra)
+    got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, seed=3,
+                                    extra_body=extra)
+    assert got.choices[0].text == want["text"]
+
+
+def test_model_naming_a_lora_module_selects_the_adapter(client, offline, lora):
+    want = generate(offline, "hello world", lora, max_tokens=8, **GREEDY)
+    base = generate(offline, "hello world", max_tokens=8, **GREEDY)
+    assert want["token_ids"] != base["token_ids"]  # the adapter matters
+    got = client.completions.create(model="qv8", prompt="hello world", max_tokens=8, **GREEDY)
+    assert got.choices[0].text == want["text"]
+
+
+def test_eight_concurrent_clients_get_what_each_gets_alone(server, client, offline):
+    cases = []  # (chat?, prompt, max_tokens, sampling, stream?)
+    for i in range(8):
+        prompt = ["def parse(line):", "héllo wörld", "the lazy dog", "日本語"][i % 4]
+        sampling = dict(temperature=0.8, seed=100 + i) if i % 2 else GREEDY
+        cases.append((i % 3 == 0, prompt, 10 + i, sampling, i % 4 < 2))
+
+    def alone(case) -> str:  # offline, one request at a time
+        is_chat, prompt, max_tokens, sampling, _ = case
+        if is_chat:
+            return chat(offline, [{"role": "user", "content": prompt}], max_tokens=max_tokens,
+                        **sampling)["text"]
+        return generate(offline, prompt, max_tokens=max_tokens, **sampling)["text"]
+
+    def ask(case) -> str:
+        is_chat, prompt, max_tokens, sampling, stream = case
+        if is_chat:
+            got = client.chat.completions.create(model=MODEL, max_tokens=max_tokens, stream=stream,
+                                                 messages=[{"role": "user", "content": prompt}],
+                                                 **sampling)
+            if not stream:
+                return got.choices[0].message.content
+            return "".join(c.choices[0].delta.content or "" for c in got)
+        got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens,
+                                        stream=stream, **sampling)
+        return "".join(c.choices[0].text for c in got) if stream else got.choices[0].text
+
+    wants = [alone(case) for case in cases]
+    with ThreadPoolExecutor(8) as pool:
+        assert list(pool.map(ask, cases)) == wants
+    assert server.metrics()["nanograph:num_requests_running"] == 0
+
+
+# ---- n, logprobs, stop in OpenAI's formats -------------------------------------------------------
+def test_n_and_logprobs_in_completions_format(client, offline):
+    want = generate(offline, "hello", n=2, seed=5, max_tokens=6, logprobs=2)
+    got = client.completions.create(model=MODEL, prompt="hello", n=2, seed=5, max_tokens=6,
+                                    logprobs=2)
+    assert [c.index for c in got.choices] == [0, 1]
+    for choice, completion in zip(got.choices, want["outputs"]):
+        assert choice.text == completion["text"]
+        ids, logprobs = completion["token_ids"], completion["logprobs"]
+        assert len(choice.logprobs.tokens) == len(ids)
+        sampled = [lp[t] for t, lp in zip(ids, logprobs)]
+        assert choice.logprobs.token_logprobs == pytest.approx(sampled)
+        # the top 2 and the sampled token (by their text: ids of the same text are one key)
+        for token, top in zip(choice.logprobs.tokens, choice.logprobs.top_logprobs):
+            assert token in top and 1 <= len(top) <= 3
+    assert got.usage.completion_tokens == sum(len(c["token_ids"]) for c in want["outputs"])
+    texts = ["", ""]
+    for chunk in client.completions.create(model=MODEL, prompt="hello", n=2, seed=5, max_tokens=6,
+                                           stream=True):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert texts == [c["text"] for c in want["outputs"]]
+
+
+def test_logprobs_in_chat_format(client, offline):
+    messages = [{"role": "user", "content": "hi"}]
+    want = chat(offline, messages, max_tokens=5, logprobs=3, **GREEDY)
+    got = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5,
+                                         logprobs=True, top_logprobs=3, **GREEDY)
+    entries = got.choices[0].logprobs.content
+    assert [e.logprob for e in entries] == pytest.approx(
+        [lp[t] for t, lp in zip(want["token_ids"], want["logprobs"])])
+    for entry in entries:
+        assert len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[-1].logprob
+        assert entry.bytes == list(entry.token.encode())
+
+
+def test_stop_strings(client, offline):
+    free = generate(offline, "the lazy dog", max_tokens=16, **GREEDY)["text"]
+    stop = free[4:6]  # somewhere in the middle of the greedy answer
+    want = generate(offline, "the lazy dog", max_tokens=16, stop=[stop], **GREEDY)
+    assert want["finish_reason"] == "stop"
+    for stream in (False, True):
+        got = client.completions.create(model=MODEL, prompt="the lazy dog", max_tokens=16,
+                                        stop=[stop], stream=stream, **GREEDY)
+        chunks = list(got) if stream else [got]
+        assert "".join(c.choices[0].text for c in chunks) == want["text"]
+        assert chunks[-1].choices[0].finish_reason == "stop"
+        assert chunks[-1].choices[0].model_extra["stop_reason"] == stop
+
+
+# ---- bad requests ------------------------------------------------------------------------------
+LONG = "the quick brown fox " * 100  # far over max_model_len=256 tokens
+BAD = {  # name: (endpoint, body, status, param)
+    "malformed json": ("completions", b'{"prompt": "x",', 400, None),
+    "not an object": ("completions", [1, 2], 400, None),
+    "missing prompt": ("completions", {"model": MODEL}, 400, "prompt"),
+    "missing messages": ("chat/completions", {"model": MODEL}, 400, "messages"),
+    "wrong type": ("completions", {"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+    "bad temperature": ("completions", {"prompt": "x", "temperature": -1}, 400, None),
+    "bad top_p": ("chat/completions", {"messages": [], "top_p": 0}, 400, None),
+    "zero max_tokens": ("completions", {"prompt": "x", "max_tokens": 0}, 400, None),
+    "min over max": ("completions", {"prompt": "x", "max_tokens": 2, "min_tokens": 3}, 400, None),
+    "unknown field": ("completions", {"prompt": "x", "frobnicate": 1}, 400, "frobnicate"),
+    "presence_penalty": ("completions", {"prompt": "x", "presence_penalty": 0.5}, 400,
+                         "presence_penalty"),
+    "logit_bias": ("chat/completions", {"messages": [], "logit_bias": {"5": 10}}, 400,
+                   "logit_bias"),
+    "tools": ("chat/completions", {"messages": [], "tools": []}, 400, "tools"),
+    "response_format": ("chat/completions", {"messages": [], "response_format": {}}, 400,
+                        "response_format"),
+    "echo": ("completions", {"prompt": "x", "echo": True}, 400, "echo"),
+    "suffix": ("completions", {"prompt": "x", "suffix": "end"}, 400, "suffix"),
+    "best_of > n": ("completions", {"prompt": "x", "best_of": 3}, 400, "best_of"),
+    "prompt batch": ("completions", {"prompt": ["a", "b"]}, 400, "prompt"),
+    "image part": ("chat/completions",
+                   {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
+                   "messages"),
+    "top_logprobs alone": ("chat/completions", {"messages": [], "top_logprobs": 2}, 400, None),
+    "stream_options alone": ("completions", {"prompt": "x", "stream_options": {}}, 400, None),
+    "too-long prompt": ("completions", {"prompt": LONG, "stream": True}, 400, None),
+    "id outside vocab": ("completions", {"prompt": [3, 100000]}, 400, None),
+    "stop id outside vocab": ("completions", {"prompt": "x", "stop_token_ids": [10**5]}, 400, None),
+    "n above max_num_seqs": ("completions", {"prompt": "x", "n": 100000}, 400, None),
+    "unknown model": ("completions", {"prompt": "x", "model": "gpt-4"}, 404, "model"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD))
+def test_bad_requests_are_400s_with_openais_error_body(server, name):
+    endpoint, body, status, param = BAD[name]
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    response = httpx.post(f"{server.url}/v1/{endpoint}", content=content,
+                          headers={"content-type": "application/json"})
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param
+
+
+def test_bad_requests_never_reach_the_engine(server):
+    before = server.metrics()["nanograph:e2e_request_latency_seconds_count"]
+    for name in ("zero max_tokens", "unknown field", "presence_penalty", "too-long prompt"):
+        endpoint, body, _, _ = BAD[name]
+        assert httpx.post(f"{server.url}/v1/{endpoint}", json=body).status_code == 400
+    assert server.metrics()["nanograph:e2e_request_latency_seconds_count"] == before
+
+
+# ---- disconnects, failures, shutdown -------------------------------------------------------------
+def wait_until(condition, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_a_client_that_disconnects_has_its_request_aborted(server):
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 240, "ignore_eos": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}) as r:
+        data = (line for line in r.iter_lines() if line)
+        assert all(next(data).startswith("data: ") for _ in range(3))
+        metrics = server.metrics()
+        assert metrics["nanograph:num_requests_running"] == 1
+        assert metrics["nanograph:kv_cache_usage_perc"] > 0
+    # the stream is closed: the request is aborted, its blocks free at once
+    idle = {"nanograph:num_requests_running": 0, "nanograph:kv_cache_usage_perc": 0}
+    assert wait_until(lambda: idle.items() <= server.metrics().items())
+    generated = server.metrics()["nanograph:generation_tokens_total"]
+    time.sleep(0.2)
+    assert server.metrics()["nanograph:generation_tokens_total"] == generated
+    # not streamed: the client gives up waiting, long before the 240 tokens are done
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json=body, timeout=0.05)
+    assert wait_until(lambda: idle.items() <= server.metrics().items())
+    assert server.metrics()["nanograph:generation_tokens_total"] - generated < 240
+
+
+def test_a_failed_step_is_a_500_and_the_server_goes_on(text_model):
+    """In-process: the engine thread and the app, with one launch made to fail."""
+    from nanograph.serve.api import create_app
+    from nanograph.serve.engine_thread import EngineThread
+    engine = EngineThread(text_model("qwen3"), KNOBS)
+    engine.thread.start()
+    assert engine.wait_ready()
+    launch, failures = engine.llm.runner.launch, [RuntimeError("device on fire")] * 2
+
+    def flaky_launch(batch):
+        if failures:
+            raise failures.pop()
+        return launch(batch)
+
+    engine.llm.runner.launch = flaky_launch
+    body = {"prompt": "hello", "max_tokens": 5}
+
+    async def requests():
+        transport = httpx.ASGITransport(app=create_app(engine, MODEL, {}))
+        async with httpx.AsyncClient(transport=transport, base_url="http://serve") as http:
+            failed = await http.post("/v1/completions", json=body)
+            assert failed.status_code == 500
+            assert "device on fire" in failed.json()["error"]["message"]
+            streamed = await http.post("/v1/completions", json={**body, "stream": True})
+            events = [line for line in streamed.text.split("\n\n") if line]
+            assert "device on fire" in events[0] and events[-1] == "data: [DONE]"
+            assert (await http.post("/v1/completions", json=body)).status_code == 200
+
+    try:
+        asyncio.run(requests())
+    finally:
+        engine.stop()
+        engine.thread.join(timeout=30)
+    assert not engine.thread.is_alive() and engine.error is None
+
+
+def test_shell_chats_in_the_terminal(text_model, tmp_path):
+    knobs = {**KNOBS, "max_model_len": 64}
+    command = [sys.executable, "-m", "nanograph.serve", text_model("qwen3"), "--shell",
+               *as_flags(knobs)]
+    done = subprocess.run(command, input="hello\n/reset\nhi again\n/exit\n", env=server_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "/reset forgets" in done.stdout and "(conversation reset)" in done.stdout
+    assert done.stdout.count("> ") >= 4  # four prompts: two turns, /reset, /exit
+
+
+def test_sigterm_stops_the_server_within_seconds(server):
+    """Last: it stops the module's server. An open stream ends with an error event."""
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 240, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body) as r:
+        lines = r.iter_lines()
+        next(lines)
+        start = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        rest = [line for line in lines if line]
+    assert "shutting down" in rest[-2] and rest[-1] == "data: [DONE]"
+    server.proc.wait(timeout=10)
+    assert time.monotonic() - start < 5
+    assert "Finished server process" in server.log()
+
+
+# ---- GPU: the server with CUDA graphs ----------------------------------------------------------
+QWEN3_0_6B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                  num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                  tie_word_embeddings=True, rope_theta=1_000_000.0, max_position_embeddings=40960,
+                  rms_norm_eps=1e-6, eos_token_id=151645, bos_token_id=151643)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_server_replays_graphs_under_concurrent_requests_gpu(tmp_path):
+    from transformers import AutoConfig
+    AutoConfig.for_model("qwen3", **QWEN3_0_6B).save_pretrained(tmp_path / "qwen3-0.6b")
+    flags = ["--load-format", "dummy", "--max-model-len", "1024", "--cuda-graph-max-bs", "16",
+             "--gpu-memory-utilization", "0.5", "--served-model-name", MODEL]
+    server = Server(str(tmp_path / "qwen3-0.6b"), flags, tmp_path / "log")
+    try:
+        server.wait_ready(timeout=300)
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+
+        def one(i: int):
+            prompt = [(7 * i + j) % 150000 for j in range(20 + 10 * i)]
+            got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=64,
+                                            stream=i % 2 == 0, extra_body={"ignore_eos": True})
+            chunks = list(got) if i % 2 == 0 else [got]
+            return chunks[-1].choices[0].finish_reason
+
+        with ThreadPoolExecutor(8) as pool:
+            assert list(pool.map(one, range(8))) == ["length"] * 8
+        metrics = server.metrics()
+        assert metrics["nanograph:num_cuda_graphs"] > 0
+        assert metrics["nanograph:decode_graph_hit_rate"] > 0
+        assert metrics["nanograph:generation_tokens_total"] == 8 * 64
+        assert metrics["nanograph:num_requests_running"] == 0
+        print({k: v for k, v in metrics.items() if "graph" in k})
+    finally:
+        server.stop()
