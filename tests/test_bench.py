@@ -111,6 +111,12 @@ def test_timed_call_figures_come_from_graph_stats():
     assert figures["mixed_padding_waste"] == pytest.approx((72 - 60) / 60)
 
 
+def test_call_figures_count_the_call_s_steps_by_kind():
+    from collections import Counter
+    before, after = {"steps": Counter(decode=2, prefill=1)}, {"steps": Counter(decode=5, mixed=1, prefill=1)}
+    assert timing.call_figures(before, after) == {"steps": {"decode": 3, "mixed": 1, "prefill": 0}}
+
+
 def test_decode_step_puts_each_sequence_on_blocks_of_its_own():
     from benchmarks.runner import decode_step
     step = decode_step(3, context_len=300, block_size=256)  # 2 blocks a sequence
