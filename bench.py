@@ -24,7 +24,10 @@ reference run. benchmarks/<section>.py has its code and says why its figures com
   each against the time to read its bytes; batch-1 latency through `generate`.
 - `--lora N` (`--lora-rank R`): N random adapters: the decode step with and without them, the
   graph capture cost, and end to end.
-- `--all`: `--decode-sweep --compare --ladders --overlap --lora 4`.
+- `--serving`: a server's view through the engine step API (continuous admission, long prompts,
+  Poisson arrivals): tokens/s, time to first token, inter-token latency, under the decode-first
+  rule and the old prefill-first one side by side.
+- `--all`: `--decode-sweep --compare --ladders --overlap --lora 4 --serving`.
 
 `--shape a,b` runs every section once per shape, `--attention-backend a,b` once per backend,
 `--model` on a real checkpoint instead of a shape. `--quick --device cpu` runs every section on a
@@ -47,6 +50,7 @@ from benchmarks.overlap import section_overlap
 from benchmarks.peers import PEER_DIR, peer_job
 from benchmarks.plot import write_plot
 from benchmarks.run import section_run
+from benchmarks.serving import section_serving
 from benchmarks.shapes import BENCH_SHAPES
 from benchmarks.workloads import REFERENCE_OUTPUT_TOKENS
 
@@ -94,8 +98,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "capture, end to end")
     p.add_argument("--lora-rank", type=int, default=16, metavar="R",
                    help="the --lora adapters' rank (default 16)")
+    p.add_argument("--serving", action="store_true",
+                   help="serving latency through the step API (TTFT, ITL, tokens/s), decode-first "
+                        "vs prefill-first scheduling")
     p.add_argument("--all", action="store_true",
-                   help="--decode-sweep --compare --ladders --overlap --lora 4")
+                   help="--decode-sweep --compare --ladders --overlap --lora 4 --serving")
     # the sections' settings
     p.add_argument("--hf-seqs", type=int, default=32,
                    help="HF runs the first N sequences of the workload (default 32; 256 = all of "
@@ -122,9 +129,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.lora < 0 or args.lora_rank < 1:
         p.error("--lora N needs N >= 0 and --lora-rank R >= 1")
     if args.all:
-        args.decode_sweep = args.compare = args.ladders = args.overlap = True
+        args.decode_sweep = args.compare = args.ladders = args.overlap = args.serving = True
         args.lora = args.lora or 4
-    other_sections = args.ladders or args.decode_sweep or args.lora
+    other_sections = args.ladders or args.decode_sweep or args.lora or args.serving
     args.run_default = args.run or args.compare or args.overlap or not other_sections
     args.sweep_max_bs = args.sweep_max_bs or (8 if args.quick else 256)
     args.sweep_context_len = args.sweep_context_len or (32 if args.quick else 512)
@@ -154,6 +161,8 @@ def run_sections(setup: Setup) -> dict:
         report["lora"] = section_lora(setup)
     if args.ladders:
         report["ladders"] = section_ladders(setup)
+    if args.serving:
+        report["serving"] = section_serving(setup)
     return report
 
 

@@ -17,6 +17,8 @@ returns its figures:
     ladders.py       bucket ladders
     decode_sweep.py  one decode step by batch size, graph and eager, against its floor
     lora.py          multi-LoRA: step cost, capture cost, end to end
+    serving.py       a server's view through the step API: TTFT, inter-token latency, tokens/s,
+                     decode-first against prefill-first scheduling
     plot.py          --plot's figure from the JSON report
 
 A new section is a module with its `section_<name>(setup) -> dict`, a flag in bench.py's

@@ -86,6 +86,7 @@ def counters(llm) -> dict:
     """The engine's cumulative counters, to take their difference around one call."""
     stats = llm.stats()
     out = {key: stats[key] for key in CALL_COUNTERS if key in stats}
+    out["steps"] = Counter(stats.get("steps", {}))  # scheduled steps by kind
     if llm.runner.graphs is not None:
         out.update(graph_counters(llm.runner.graphs.stats))
     return out
@@ -94,6 +95,9 @@ def counters(llm) -> dict:
 def call_figures(before: dict, after: dict) -> dict:
     """The figures of one call alone, from the counters before and after it."""
     out = {key: after[key] - before[key] for key in CALL_COUNTERS if key in after}
+    if "steps" in after:
+        out["steps"] = {kind: after["steps"][kind] - before["steps"][kind]
+                        for kind in ("decode", "mixed", "prefill")}
     if "replays" in after:
         from nanograph.engine.cuda_graph import GraphStats
         call = GraphStats(  # Counter subtraction drops the buckets the call did not use

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ sys.path.insert(0, ROOT)  # bench.py and benchmarks/ live at the repository root
 
 import bench  # noqa: E402
 from benchmarks import checkpoint, compare, decode_sweep, harness, ladders, lora, peers  # noqa: E402
-from benchmarks import shapes, timing, workloads  # noqa: E402
+from benchmarks import serving, shapes, timing, workloads  # noqa: E402
 from benchmarks.report import RunResult  # noqa: E402
 
 
@@ -109,6 +110,12 @@ def test_timed_call_figures_come_from_graph_stats():
     assert figures["padding_waste"] == pytest.approx((3 * 4 + 16 - 21) / 21)
     assert figures["mixed_steps"] == 2 and figures["mixed_graph_hit_rate"] == pytest.approx(1 / 2)
     assert figures["mixed_padding_waste"] == pytest.approx((72 - 60) / 60)
+
+
+def test_call_figures_count_the_call_s_steps_by_kind():
+    from collections import Counter
+    before, after = {"steps": Counter(decode=2, prefill=1)}, {"steps": Counter(decode=5, mixed=1, prefill=1)}
+    assert timing.call_figures(before, after) == {"steps": {"decode": 3, "mixed": 1, "prefill": 0}}
 
 
 def test_decode_step_puts_each_sequence_on_blocks_of_its_own():
@@ -231,6 +238,104 @@ def test_lora_flags():
     args = bench.parse_args(["--all"])
     assert (args.lora, args.lora_rank) == (4, 16)
     assert bench.parse_args(["--all", "--lora", "2", "--lora-rank", "8"]).lora == 2
+
+
+def test_serving_flags():
+    assert bench.parse_args(["--serving"]).run_default is False  # alone, only its section runs
+    assert bench.parse_args(["--all"]).serving is True
+
+
+class FakeClient:
+    """A Client whose every request gets `per_step` tokens a step until it has its max_tokens."""
+
+    def __init__(self, per_step=1):
+        self.per_step, self.left, self.done = per_step, {}, {}
+
+    def add(self, prompt, params):
+        key = len(self.left)
+        self.left[key], self.done[key] = params.max_tokens, 0
+        return key
+
+    def step(self, timeout=None):
+        time.sleep(0.001)
+        out = []
+        for key in [k for k, n in self.left.items() if n]:
+            new = min(self.per_step, self.left[key])
+            self.left[key] -= new
+            self.done[key] += new
+            out.append((key, self.done[key]))
+        return out
+
+    def busy(self):
+        return any(self.left.values())
+
+
+def test_drive_traces_what_a_client_sees():
+    """Arrivals in the future are waited for (and that wait is no step's interval); several tokens
+    in one step are one gap then zero gaps; TTFT counts from the arrival, not from the send."""
+    work = workloads.Workload([[1], [2]], [3, 2])
+    trace = serving.drive(FakeClient(), work, arrivals=[0.0, 0.1])
+    assert trace.output_tokens == 5 and set(trace.arrival.values()) == {0.0, 0.1}
+    assert trace.token_steps == {0: [0, 1, 2], 1: [3, 4]}  # request 0 had finished: an idle wait
+    assert trace.gaps(trace.token_steps) == [1, 1, 1]
+    assert trace.seconds >= 0.1 and len(trace.step_intervals) == 3  # 5 steps, one wait between
+    assert max(trace.step_intervals) < 0.09 and all(t < 0.09 for t in trace.ttfts())
+    two = serving.drive(FakeClient(per_step=2), workloads.Workload([[1]], [3]), [0.0])
+    assert two.token_steps == {0: [0, 0, 1]} and two.gaps(two.token_times)[0] == 0.0
+
+
+def test_quick_serving_section(tmp_path):
+    """--serving on the CPU: every workload under both rules, every figure, the ratio rows."""
+    out = tmp_path / "b.json"
+    bench.main(["--quick", "--device", "cpu", "--serving", "--json", str(out)])
+    shape = json.loads(out.read_text())["shapes"]["qwen3-0.6b"]
+    assert set(shape) == {"serving"}
+    section = shape["serving"]
+    assert section["engine"]["num_graphs"] is None and section["skipped"] == []
+    runs, ratios = section["runs"], section["ratios"]
+    names = [r["workload"] for r in ratios]
+    assert names[:4] == ["reference, 4 seqs", "reference, 512 seqs", "long prompts, 4 seqs",
+                         "long prompts, 512 seqs"]
+    assert names[4:] == ["Poisson 10 req/s, 8 requests", "Poisson 40 req/s, 8 requests"]
+    assert [(r["workload"], r["rule"]) for r in runs] == \
+        [(name, rule) for name in names for rule in ("decode-first", "prefill-first")]
+    reference = workloads.quick_workload()
+    for r in runs:
+        if r["workload"].startswith(("reference", "Poisson")):
+            assert (r["requests"], r["output_tokens"]) == (8, reference.output_tokens)
+        assert r["tokens_per_s"] > 0 and r["seconds"] > 0
+        for key in ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "itl_max", "step_p50"):
+            assert r[key] > 0, key
+        assert r["itl_p50"] <= r["itl_p99"] <= r["itl_max"] and r["ttft_p50"] <= r["ttft_p99"]
+        assert r["itl_p99_vs_p50"] == pytest.approx(r["itl_p99"] / r["itl_p50"])
+        assert r["itl_max_vs_p50"] == pytest.approx(r["itl_max"] / r["itl_p50"])
+        assert set(r["steps"]) == {"decode", "mixed", "prefill"} and r["steps"]["prefill"] > 0
+        assert r["mixed_graph_hit_rate"] is None and r["graph_hit_rate"] is None  # no graphs
+        if r["rule"] == "prefill-first":
+            assert r["steps"]["mixed"] == 0
+        else:  # a decoding sequence gets a token every step
+            assert r["gap_steps_max"] == 1
+    for row, new, old in zip(ratios, runs[::2], runs[1::2]):
+        assert row["tokens_per_s"] == pytest.approx(new["tokens_per_s"] / old["tokens_per_s"])
+        assert row["itl_p99"] == pytest.approx(new["itl_p99"] / old["itl_p99"])
+        assert row["met"] is None  # targets are judged on full GPU runs only
+    assert ratios[0]["target"].startswith("ITL p99 <= 1.5x p50")
+
+
+def test_decode_first_keeps_decoding_while_a_long_prompt_prefills(tmp_path):
+    """A long prompt arrives while another request decodes: decode-first gives the decoding one a
+    token every step (longest gap 1 step); prefill-first stops it for the prompt's prefill steps."""
+    setup = harness.build_setup(bench.parse_args(["--quick", "--device", "cpu"]), str(tmp_path),
+                                "qwen3-0.6b")
+    short, long = [5] * 8, list(range(2, 202))  # the long one: two prefill steps of <= 128 tokens
+    run = serving.ServingRun("a long prompt arrives", workloads.Workload([short, long], [200, 4]),
+                             max_num_seqs=4, arrivals=[0.0, 0.02])  # 200 steps take longer
+    with serving.serving_engine(setup, serving.QUICK) as llm:
+        new, old = (serving.run_rule(llm, setup, run, rule) for rule in serving.RULES)
+    assert (new.rule, old.rule) == ("decode-first", "prefill-first")
+    assert new.output_tokens == old.output_tokens == 204
+    assert new.gap_steps_max == 1 < old.gap_steps_max
+    assert new.steps["mixed"] >= 200 // 32 and old.steps["mixed"] == 0 and old.steps["prefill"] >= 2
 
 
 def test_quick_lora_section(tmp_path):
