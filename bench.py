@@ -116,6 +116,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--peer-timeout", type=float, default=600.0,
                    help="give up on a peer's subprocess after this many seconds "
                         "(start-up included)")
+    p.add_argument("--mixed-budgets", type=lambda t: [int(b) for b in t.split(",")],
+                   help="--serving: rerun its targeted workloads under these max_num_mixed_tokens")
     p.add_argument("--sweep-max-bs", type=int,
                    help="largest decode-sweep batch (default 256, 8 with --quick)")
     p.add_argument("--sweep-context-len", type=int,

@@ -394,6 +394,7 @@ def section_serving(setup: Setup) -> dict:
         for rule in RULES:
             run_rule(llm, setup, warmup, rule)
         results = [run_rule(llm, setup, run, rule) for run in runs for rule in RULES]
+        sweep = budget_sweep(llm, setup, runs, results)
     finally:
         llm.close()
         del llm
@@ -405,5 +406,40 @@ def section_serving(setup: Setup) -> dict:
     print_results(results)
     judge = engine["num_graphs"] is not None and not setup.args.quick
     ratios = compare_rules(runs, results, judge)
+    if sweep:
+        print_budget_sweep(sweep, judge)
     return {"engine": engine, "skipped": skipped, "runs": [r.to_dict() for r in results],
-            "ratios": ratios}
+            "ratios": ratios, "budget_sweep": [(budget, new.to_dict()) for budget, new, _, _ in sweep]}
+
+
+def budget_sweep(llm, setup: Setup, runs: list[ServingRun], results: list[ServingResult]) -> list:
+    """`--mixed-budgets`: the workloads with a target again under the decode-first rule, once per
+    token budget of a step while sequences decode (`max_num_mixed_tokens`, set on the scheduler:
+    the engine's mixed graphs cover every smaller budget), each against the prefill-first result
+    of the same workload above. (budget, new result, old result, target) rows."""
+    default = llm.scheduler.max_num_mixed_tokens
+    sweep = []
+    try:
+        for budget in setup.args.mixed_budgets or ():
+            llm.scheduler.max_num_mixed_tokens = budget
+            for run, old in zip(runs, results[1::2]):
+                if run.target is not None:
+                    sweep.append((budget, run_rule(llm, setup, run, "decode-first"), old, run.target))
+    finally:
+        llm.scheduler.max_num_mixed_tokens = default
+    return sweep
+
+
+def print_budget_sweep(sweep: list, judge: bool):
+    print_table("Decode-first by token budget while decoding (max_num_mixed_tokens), against "
+                "prefill-first on the same workload; ms",
+                ["budget", "workload", "tok/s", "new/old", "ITL p50", "ITL p99", "p99/p50",
+                 "ITL max", "max/p50", "ITL p99 new/old", "mixed graphs", "target met"],
+                [[budget, new.workload, f"{new.tokens_per_s:,.0f}",
+                  cell(ratio(new.tokens_per_s, old.tokens_per_s), ".3f", "x"),
+                  cell(ms(new.itl_p50), ".2f"), cell(ms(new.itl_p99), ".2f"),
+                  cell(new.itl_p99_vs_p50, ".2f", "x"), cell(ms(new.itl_max), ".1f"),
+                  cell(new.itl_max_vs_p50, ".1f", "x"), cell(ratio(new.itl_p99, old.itl_p99), ".3f", "x"),
+                  cell(new.mixed_graph_hit_rate, ".1%"),
+                  "-" if not judge else "yes" if target.met(new, old) else "NO"]
+                 for budget, new, old, target in sweep])
