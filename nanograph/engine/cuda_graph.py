@@ -192,26 +192,27 @@ class CudaGraphRunner:
         reach zero: a graph left alive makes the tensor-parallel shutdown hang."""
         self.graphs.clear()
 
-    def lookup(self, step: StepInput) -> StepShape | None:
-        """The shape of the smallest graph that holds `step`; None (counted) when it runs eager."""
-        n, prefill_tokens = step.num_decodes, len(step.input_ids) - step.num_decodes
-        shape = None
-        if prefill_tokens == 0 and (d := find_bucket(self.ladder, n)) is not None:
-            shape = decode_shape(d, step.lora_rank)
-        elif n and not step.lora_rank and len(step.context_lens) - n <= MIXED_PREFILL_CHUNKS:
-            d = find_bucket(self.mixed_ladder, n)
-            p = find_bucket([p for dd, p in self.grid if dd == d], prefill_tokens)
-            if p is not None and len(step.temperatures) <= d + MIXED_PREFILL_CHUNKS:
-                shape = mixed_shape(d, p)
-        if shape is None:
-            kind = "prefill" if n == 0 else "decode" if prefill_tokens == 0 else "mixed"
+    def lookup(self, step: StepShape) -> StepShape | None:
+        """The smallest graph that holds a step of (exact) shape `step`; None (counted) when it
+        runs eager."""
+        graph = None
+        if not step.prefill_tokens and (d := find_bucket(self.ladder, step.decodes)) is not None:
+            graph = decode_shape(d, step.lora_rank)
+        elif step.decodes and not step.lora_rank and step.chunks <= MIXED_PREFILL_CHUNKS:
+            d = find_bucket(self.mixed_ladder, step.decodes)
+            p = find_bucket([p for dd, p in self.grid if dd == d], step.prefill_tokens)
+            if p is not None and step.rows <= d + MIXED_PREFILL_CHUNKS:
+                graph = mixed_shape(d, p)
+        if graph is None:
+            kind = "decode" if not step.prefill_tokens else "mixed" if step.decodes else "prefill"
             self.stats.eager[kind] += 1
-        return shape
+        return graph
 
-    def replay(self, shape: StepShape, step: StepInput):
-        self.graphs[shape].replay()
-        self.stats.replays[shape] += 1
-        if shape.prefill_tokens:
-            self.stats.real_tokens += len(step.input_ids)
+    def replay(self, graph: StepShape, step: StepShape):
+        """Replay `graph` for a step of (exact) shape `step`."""
+        self.graphs[graph].replay()
+        self.stats.replays[graph] += 1
+        if graph.prefill_tokens:
+            self.stats.real_tokens += step.tokens
         else:
-            self.stats.real_rows += step.num_decodes
+            self.stats.real_rows += step.decodes

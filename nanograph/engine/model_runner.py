@@ -170,11 +170,12 @@ class ModelRunner:
         also go into the token table. Every tensor-parallel rank runs this and samples the same ids."""
         for slot, adapter in step.lora_loads:
             load_adapter(self.model, slot, adapter)
-        graph = self.graphs.lookup(step) if self.graphs is not None else None
-        shape = graph or step.exact_shape()
+        exact = step.exact_shape()
+        graph = self.graphs.lookup(exact) if self.graphs is not None else None
+        shape = graph or exact
         self.buffers.fill(step, shape)
         if graph is not None:
-            self.graphs.replay(graph, step)
+            self.graphs.replay(graph, exact)
         else:
             self.forward(shape)
         rows = len(step.temperatures)
