@@ -19,6 +19,7 @@ and are reused by hits until they are handed out again. The queue is LRU: blocks
 its head and freed to its tail, a sequence's last blocks first, so shared prefixes live longest.
 """
 from collections import deque
+from dataclasses import dataclass, field
 
 import xxhash
 
@@ -30,12 +31,12 @@ def chain_hash(token_ids: list[int], prefix_hash: int) -> int:
     return xxhash.xxh64_intdigest(data)
 
 
+@dataclass
 class Block:
-    def __init__(self, block_id: int):
-        self.block_id = block_id
-        self.ref_count = 0
-        self.hash = -1            # -1: not registered in the prefix cache (xxh64 digests are >= 0)
-        self.token_ids: list[int] = []
+    block_id: int
+    ref_count: int = 0
+    hash: int = -1  # -1: not registered in the prefix cache (xxh64 digests are >= 0)
+    token_ids: list[int] = field(default_factory=list)
 
 
 class BlockManager:
@@ -52,7 +53,7 @@ class BlockManager:
 
     def _take_free_block(self) -> int:
         block = self.blocks[self.free_block_ids.popleft()]
-        if block.hash != -1 and self.hash_to_block_id.get(block.hash) == block.block_id:
+        if self.hash_to_block_id.get(block.hash) == block.block_id:
             del self.hash_to_block_id[block.hash]  # evict its cached contents
         block.hash, block.token_ids, block.ref_count = -1, [], 1
         return block.block_id

@@ -68,7 +68,7 @@ class Request:
         if self.detokenizers is None:
             return None
         detokenizer = self.detokenizers[self.seqs.index(seq)]
-        tokens = output_token_ids(seq)
+        tokens = seq.completion_token_ids
         piece = detokenizer.feed(tokens[detokenizer.num_fed:])
         params = seq.params
         if not params.stop or not piece or len(tokens) < params.min_tokens:
@@ -88,7 +88,7 @@ class Request:
             if seq.status != Status.FINISHED and seq.params.stop:  # hold back a possible stop's start
                 text = text[:max(0, len(text) - max(map(len, seq.params.stop)) + 1)]
         return {"text": text,
-                "token_ids": output_token_ids(seq),
+                "token_ids": seq.completion_token_ids,
                 "finish_reason": seq.finish_reason,
                 "stop_reason": seq.stop_reason,
                 "logprobs": seq.logprobs,
@@ -105,11 +105,3 @@ class Request:
                 "prompt_token_ids": self.prompt_token_ids,
                 **self.result(),
                 "finished": self.finished}
-
-
-def output_token_ids(seq: Sequence) -> list[int]:
-    """The completion's tokens the host has: without placeholders for tokens still in flight."""
-    tokens = seq.completion_token_ids
-    while tokens and tokens[-1] < 0:
-        tokens.pop()
-    return tokens

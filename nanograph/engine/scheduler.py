@@ -130,9 +130,9 @@ class Scheduler:
         chunks = []
         while self.waiting and budget > 0:
             seq = self.waiting[0]
-            if not seq.block_table and not (admit and self.can_admit(seq)):
-                break
             if not seq.block_table:
+                if not (admit and self.can_admit(seq)):
+                    break
                 self.block_manager.allocate(seq)
             chunk = min(len(seq) - seq.num_computed_tokens, budget)
             budget -= chunk
@@ -193,16 +193,13 @@ class Scheduler:
                 child.status = Status.RUNNING
                 self.running.append(child)
             for sampler in [seq, *seq.forks]:
-                self.add_row(batch, sampler, i)
+                sampler.token_ids.append(-1 - len(batch.rows))
+                batch.rows.append(sampler)
+                batch.row_sources.append(i)
+                if self.at_length_limit(sampler, len(sampler)):
+                    self.running.remove(sampler)  # its last token is decided: finishes in update()
             seq.forks = []
         return batch
-
-    def add_row(self, batch: Batch, seq: Sequence, source: int):
-        seq.token_ids.append(-1 - len(batch.rows))
-        batch.rows.append(seq)
-        batch.row_sources.append(source)
-        if self.at_length_limit(seq, len(seq)):
-            self.running.remove(seq)  # its last token is decided: finishes in update()
 
     def at_length_limit(self, seq: Sequence, length: int) -> bool:
         """Whether a sequence of `length` tokens has no room for another (max_tokens, max_model_len)."""
@@ -219,11 +216,10 @@ class Scheduler:
                ) -> list[Sequence]:
         """Account for a collected step: each row's token (and its logprobs, when asked) into its
         sequence. Returns the sequences that got a token (finished ones with their reason)."""
-        for i, seq in enumerate(batch.seqs):
+        for seq, start, n in zip(batch.seqs, batch.starts, batch.num_tokens):
             # blocks this step completed (none if it was preempted since: its counter went back to 0)
-            end = batch.starts[i] + batch.num_tokens[i]
             if seq.status != Status.FINISHED:
-                self.block_manager.register_computed_blocks(seq, min(end, seq.num_computed_tokens))
+                self.block_manager.register_computed_blocks(seq, min(start + n, seq.num_computed_tokens))
         updated = []
         for row, (seq, source, token) in enumerate(zip(batch.rows, batch.row_sources, sampled)):
             if seq.status == Status.FINISHED:

@@ -56,7 +56,11 @@ class Sequence:
 
     @property
     def completion_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        """The completion's tokens the host has: without placeholders for tokens still in flight."""
+        tokens = self.token_ids[self.num_prompt_tokens:]
+        while tokens and tokens[-1] < 0:
+            tokens.pop()
+        return tokens
 
     @property
     def num_blocks(self) -> int:
