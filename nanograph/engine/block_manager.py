@@ -112,17 +112,17 @@ class BlockManager:
                 self.free_block_ids.append(block_id)
         seq.block_table, seq.num_hashed_blocks = [], 0
 
-    def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None:
+    def fork(self, parent: Sequence, child: Sequence) -> list[tuple[int, int]]:
         """Share the parent's full prompt blocks with `child` (reference counts). Returns the
-        (parent's, child's) partial last block, whose K/V the caller must copy, or None."""
+        copies the caller must make: [(parent's, child's) partial last block], or none."""
         full = parent.num_prompt_tokens // self.block_size
         for block_id in parent.block_table[:full]:
             self.blocks[block_id].ref_count += 1
         child.block_table = parent.block_table[:full] + child.block_table  # + its reserved block
         child.num_hashed_blocks = min(parent.num_hashed_blocks, full)
         if len(child.block_table) > full:
-            return parent.block_table[full], child.block_table[full]
-        return None
+            return [(parent.block_table[full], child.block_table[full])]
+        return []
 
     def append_slot(self, seq: Sequence) -> bool:
         """Make room for the token decode writes next (token len-1): a new block when that token

@@ -118,12 +118,13 @@ class GraphStats:
             (mixed if shape.prefill_tokens else decode)[shape.tokens] += n
         lora = {f"{s.decodes}x{s.lora_rank}": n for s, n in self.replays.items() if s.lora_rank}
         figures = {}
-        for kind, replays, real in (("decode", decode, self.real_rows), ("mixed", mixed, self.real_tokens)):
-            prefix = "" if kind == "decode" else "mixed_"
+        for kind, prefix, replays, real in (("decode", "", decode, self.real_rows),
+                                            ("mixed", "mixed_", mixed, self.real_tokens)):
             count = replays.total()
-            figures |= {f"{kind}_steps": count + self.eager[kind],
+            steps = count + self.eager[kind]
+            figures |= {f"{kind}_steps": steps,
                         f"{prefix}graph_replays": count,
-                        f"{prefix}graph_hit_rate": count / max(1, count + self.eager[kind]),
+                        f"{prefix}graph_hit_rate": count / max(1, steps),
                         f"{prefix}padding_waste": (sum(t * n for t, n in replays.items()) - real) / max(1, real)}
         return {**figures,
                 "replays_per_bucket": dict(sorted(decode.items())),
@@ -141,7 +142,6 @@ class CudaGraphRunner:
         self.grid = []
         if config.attention_backend == "triton":
             self.grid = mixed_grid(self.ladder[-1], config.max_num_mixed_tokens)
-        self.mixed_ladder = sorted({d for d, _ in self.grid})
         self.stats = GraphStats()
         self.graphs: dict[StepShape, torch.cuda.CUDAGraph] = {}
         self.capture(forward, buffers)
@@ -174,17 +174,16 @@ class CudaGraphRunner:
                 forward(shape)
             self.graphs[shape] = graph
             now_reserved, now_allocated = torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
-            log.debug("graph %d/%d: %d decode rows + %d prefill tokens, LoRA rank %d | pool reserved "
-                      "%.1f MiB (+%.1f), allocated %.1f MiB (+%.1f)", i + 1, len(shapes), shape.decodes,
-                      shape.prefill_tokens, shape.lora_rank, now_reserved / 2**20,
-                      (now_reserved - reserved) / 2**20, now_allocated / 2**20,
-                      (now_allocated - allocated) / 2**20)
+            log.debug(f"graph {i + 1}/{len(shapes)}: {shape.decodes} decode rows + {shape.prefill_tokens} "
+                      f"prefill tokens, LoRA rank {shape.lora_rank} | pool reserved "
+                      f"{now_reserved / 2**20:.1f} MiB (+{(now_reserved - reserved) / 2**20:.1f}), "
+                      f"allocated {now_allocated / 2**20:.1f} MiB (+{(now_allocated - allocated) / 2**20:.1f})")
             reserved, allocated = now_reserved, now_allocated
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - start
         self.graph_memory_bytes = torch.cuda.memory_reserved() - reserved_before
-        log.info("captured %d CUDA graphs (%d mixed) in %.1f s, %.1f MiB", len(shapes), len(self.grid),
-                 self.capture_seconds, self.graph_memory_bytes / 2**20)
+        log.info(f"captured {len(shapes)} CUDA graphs ({len(self.grid)} mixed) in "
+                 f"{self.capture_seconds:.1f} s, {self.graph_memory_bytes / 2**20:.1f} MiB")
 
     def close(self):
         """Destroy the graphs now, whoever still holds this runner. NCCL counts every graph that
@@ -199,10 +198,11 @@ class CudaGraphRunner:
         if not step.prefill_tokens and (d := find_bucket(self.ladder, step.decodes)) is not None:
             graph = decode_shape(d, step.lora_rank)
         elif step.decodes and not step.lora_rank and step.chunks <= MIXED_PREFILL_CHUNKS:
-            d = find_bucket(self.mixed_ladder, step.decodes)
-            p = find_bucket([p for dd, p in self.grid if dd == d], step.prefill_tokens)
-            if p is not None and step.rows <= d + MIXED_PREFILL_CHUNKS:
-                graph = mixed_shape(d, p)
+            # the grid runs by decode bucket, then prefill bucket, and a larger decode bucket has
+            # only the smaller prefill buckets: the first pair that holds the step is the smallest
+            fits = [(d, p) for d, p in self.grid if d >= step.decodes and p >= step.prefill_tokens]
+            if fits and step.rows <= fits[0][0] + MIXED_PREFILL_CHUNKS:
+                graph = mixed_shape(*fits[0])
         if graph is None:
             kind = "decode" if not step.prefill_tokens else "mixed" if step.decodes else "prefill"
             self.stats.eager[kind] += 1

@@ -99,7 +99,7 @@ class ModelRunner:
             budget = total * self.config.gpu_memory_utilization - (total - free) - peak
             num_blocks = int(budget // block_bytes)
         elif num_blocks is None:
-            needed = self.config.max_num_seqs * -(-self.config.max_model_len // self.block_size)
+            needed = self.config.max_num_seqs * self.buffers.max_blocks
             num_blocks = min(needed, CPU_KV_CACHE_BYTES // block_bytes)
         if dist.is_initialized():  # tensor parallel: the ranks share one block table, so the smallest cache wins
             t = torch.tensor([num_blocks], device=self.device)
@@ -178,7 +178,7 @@ class ModelRunner:
             self.graphs.replay(graph, exact)
         else:
             self.forward(shape)
-        rows = len(step.temperatures)
+        rows = exact.rows
         logits, sampled = self.logits[:rows], self.sampled[:rows]
         if step.top_ks is not None or step.banned:  # the filters the forward leaves out: again
             inputs = self.buffers.views(shape)

@@ -187,8 +187,7 @@ class Scheduler:
             if seq.num_computed_tokens < len(seq):
                 continue  # a prefill chunk (not the prompt's end) samples nothing
             for child in seq.forks:
-                if (copy := self.block_manager.fork(seq, child)) is not None:
-                    batch.block_copies.append(copy)
+                batch.block_copies += self.block_manager.fork(seq, child)
                 child.num_computed_tokens = seq.num_computed_tokens
                 child.status = Status.RUNNING
                 self.running.append(child)
