@@ -159,7 +159,7 @@ class ModelRunner:
         if shape.prefill_tokens:  # only the tokens that sample go through the LM head
             hidden = hidden[inputs["sample_indices"]]
         rows = shape.rows
-        self.logits[:rows] = self.model.compute_logits(hidden)
+        self.logits[:rows] = self.model.lm_head(hidden)
         self.sampled[:rows] = sample_softmax(self.logits[:rows], inputs["temperatures"], inputs["seeds"],
                                              inputs["sample_lens"])
         self.tokens.put(self.sampled[:rows])

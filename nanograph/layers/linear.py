@@ -41,24 +41,23 @@ def use_gemv(x: torch.Tensor | DeferredNorm) -> bool:
     return isinstance(x, DeferredNorm) or (x.is_cuda and x.shape[0] <= 16)
 
 
-def linear(x: torch.Tensor | DeferredNorm, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           silu_and_mul: bool = False, layer=None, residual: torch.Tensor | None = None,
-           gemv_rows: int = 2) -> torch.Tensor:
-    """x W^T + bias, plus each row's LoRA delta when `layer` is a LoRA target
-    (layers/lora_slots.py). gemv.py's kernels also take a DeferredNorm as x and can apply the
-    MLP's activation to a [gate | up] product (the cuBLAS path leaves that to the caller); they
-    add the delta themselves. `gemv_rows`: up to how many rows the CUDA-core GEMV runs (the
-    model's `gemv_max_rows`)."""
+def linear(layer, x: torch.Tensor | DeferredNorm, bias=None, silu_and_mul: bool = False,
+           residual=None):
+    """x W^T + bias with `layer`'s weight W, plus each row's LoRA delta when `layer` is a LoRA
+    target (layers/lora_slots.py). gemv.py's kernels also take a DeferredNorm as x and can apply
+    the MLP's activation to a [gate | up] product (the cuBLAS path leaves that to the caller);
+    they add the delta themselves. Up to `layer.gemv_rows` rows (the model's `gemv_max_rows`)
+    they run the CUDA-core GEMV."""
     if not use_gemv(x):
-        return linear_with_lora(x, weight, bias, layer)
+        return linear_with_lora(layer, x, bias)
     from nanograph.kernels.gemv import gemv
     lora = lora_inputs(x, layer, residual)
     norm = x if isinstance(x, DeferredNorm) else DeferredNorm(x)  # (a plain x: no norm)
-    return gemv(norm.x, weight, bias, silu_and_mul, norm.weight, norm.eps, norm.residual,
-                norm.residual_out, lora, tensor_cores=norm.x.shape[0] > gemv_rows)
+    return gemv(norm.x, layer.weight, bias, silu_and_mul, norm.weight, norm.eps, norm.residual,
+                norm.residual_out, lora, tensor_cores=norm.x.shape[0] > layer.gemv_rows)
 
 
-def parameter(data: torch.Tensor, weight_loader) -> nn.Parameter:
+def parameter(data, weight_loader):
     """A parameter that carries the `weight_loader` cutting this rank's share out of a checkpoint
     tensor."""
     param = nn.Parameter(data)
@@ -93,18 +92,18 @@ class ColumnParallelLinear(nn.Module):
         rows = self.weight.shape[0]
         return 0, rows, tp_rank() * rows
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None):
+    def weight_loader(self, param, loaded, shard_id=None):
         offset, rows, start = self.shard_range(shard_id)
         param.data[offset:offset + rows].copy_(loaded[start:start + rows])
 
-    def load_lora(self, slot: int, shard_id, a: torch.Tensor, b: torch.Tensor):
+    def load_lora(self, slot: int, shard_id, a, b):
         """All of A (every rank sees the whole input), this rank's rows of B, as for the weight."""
         offset, rows, start = self.shard_range(shard_id)
         self.lora_a[slot, self.part_starts.index(offset), :a.shape[0]] = a
         self.lora_b[slot, offset:offset + rows, :b.shape[1]] = b[start:start + rows]
 
-    def forward(self, x: torch.Tensor, silu_and_mul: bool = False) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, silu_and_mul, layer=self, gemv_rows=self.gemv_rows)
+    def forward(self, x, silu_and_mul: bool = False):
+        return linear(self, x, self.bias, silu_and_mul)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -167,19 +166,19 @@ class RowParallelLinear(nn.Module):
                                 self.weight_loader)
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None  # whole on every rank
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None):
+    def weight_loader(self, param, loaded, shard_id=None):
         param.data.copy_(loaded.tensor_split(tp_size(), dim=1)[tp_rank()])
 
-    def load_lora(self, slot: int, shard_id, a: torch.Tensor, b: torch.Tensor):
+    def load_lora(self, slot: int, shard_id, a, b):
         """This rank's columns of A (its share of the input), all of B: the delta is a partial sum
         too."""
         self.lora_a[slot, 0, :a.shape[0], :self.weight.shape[1]] = \
             a.tensor_split(tp_size(), dim=1)[tp_rank()]
         self.lora_b[slot, :, :b.shape[1]] = b
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x, residual=None):
         """residual: the stream the next norm adds to y, for a LoRA fold (layers/lora_slots.py)."""
-        y = linear(x, self.weight, layer=self, residual=residual, gemv_rows=self.gemv_rows)
+        y = linear(self, x, residual=residual)
         if tp_size() > 1:
             dist.all_reduce(y)
         return y if self.bias is None else y + self.bias
