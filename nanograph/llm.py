@@ -33,10 +33,10 @@ On the CPU the "device" is the same cores as the host, so there is nothing to ov
 off there by default.
 """
 import contextlib
-import os
 import threading
 from collections import deque
 from itertools import count
+from pathlib import Path
 
 import torch
 import xxhash
@@ -67,7 +67,7 @@ class LLM(contextlib.AbstractContextManager):  # `with LLM(...) as llm:` closes 
             raise RuntimeError("a torch.distributed process group is already open here: close the other LLM first")
         self.tokenizer = None
         tokenizer_files = ("tokenizer.json", "tokenizer_config.json")
-        if any(os.path.exists(os.path.join(config.model_dir, f)) for f in tokenizer_files):
+        if any(Path(config.model_dir, f).exists() for f in tokenizer_files):
             self.tokenizer = AutoTokenizer.from_pretrained(config.model_dir)
         runner_class = TensorParallelRunner if config.tensor_parallel_size > 1 else ModelRunner
         self.runner = runner_class(config)
@@ -91,7 +91,7 @@ class LLM(contextlib.AbstractContextManager):  # `with LLM(...) as llm:` closes 
     def _eos_ids(self) -> frozenset[int]:
         """From the model's config, its generation config and its tokenizer, whichever exist."""
         model_dir = self.config.model_dir
-        gen = os.path.exists(os.path.join(model_dir, "generation_config.json")) and \
+        gen = Path(model_dir, "generation_config.json").exists() and \
             GenerationConfig.from_pretrained(model_dir)
         values = (self.config.hf_config.eos_token_id, gen and gen.eos_token_id,
                   self.tokenizer and self.tokenizer.eos_token_id)
@@ -139,21 +139,21 @@ class LLM(contextlib.AbstractContextManager):  # `with LLM(...) as llm:` closes 
             raise ValueError(f"{name}: sampling params must be a SamplingParams, got {type(params).__name__}")
         if any(t >= vocab for t in params.stop_token_ids or ()):
             raise ValueError(f"{name}: stop_token_ids {params.stop_token_ids} outside the vocabulary [0, {vocab})")
-        if params.logprobs is not None and params.logprobs > vocab:
+        if (params.logprobs or 0) > vocab:
             raise ValueError(f"{name}: logprobs={params.logprobs} is above the vocabulary size {vocab}")
         if params.n > cfg.max_num_seqs:
             raise ValueError(f"{name}: n={params.n} completions but max_num_seqs={cfg.max_num_seqs}")
         if params.stop and self.tokenizer is None:
             raise ValueError(f"{name}: stop strings need a tokenizer, and model {cfg.model!r} has none")
-        block_size, num_blocks = cfg.kvcache_block_size, self.runner.num_kv_blocks
+        block_size = cfg.kvcache_block_size
         longest = min(len(prompt) + params.max_tokens, cfg.max_model_len)
         # one sequence at its longest, and the prompt with a block of its own for each other
         # completion (a fork's copy of the partial last block)
         partial = len(prompt) % block_size > 0
         blocks = max(-(-longest // block_size), -(-len(prompt) // block_size) + (params.n - 1) * partial)
-        if blocks > num_blocks:
+        if blocks > self.runner.num_kv_blocks:
             raise ValueError(f"{name}: needs up to {blocks} KV blocks ({longest} tokens, n={params.n}) "
-                             f"but the cache has {num_blocks}; it could never run")
+                             f"but the cache has {self.runner.num_kv_blocks}; it could never run")
         return list(prompt)
 
     def _adapter(self, name: str, request: LoRARequest | None) -> Adapter | None:

@@ -174,10 +174,12 @@ class CudaGraphRunner:
                 forward(shape)
             self.graphs[shape] = graph
             now_reserved, now_allocated = torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
-            log.debug(f"graph {i + 1}/{len(shapes)}: {shape.decodes} decode rows + {shape.prefill_tokens} "
-                      f"prefill tokens, LoRA rank {shape.lora_rank} | pool reserved "
-                      f"{now_reserved / 2**20:.1f} MiB (+{(now_reserved - reserved) / 2**20:.1f}), "
-                      f"allocated {now_allocated / 2**20:.1f} MiB (+{(now_allocated - allocated) / 2**20:.1f})")
+            log.debug(f"graph {i + 1}/{len(shapes)}: {shape.decodes} decode rows + "
+                      f"{shape.prefill_tokens} prefill tokens, LoRA rank {shape.lora_rank} | pool "
+                      f"reserved {now_reserved / 2**20:.1f} MiB "
+                      f"(+{(now_reserved - reserved) / 2**20:.1f}), "
+                      f"allocated {now_allocated / 2**20:.1f} MiB "
+                      f"(+{(now_allocated - allocated) / 2**20:.1f})")
             reserved, allocated = now_reserved, now_allocated
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - start

@@ -43,10 +43,11 @@ CPU_KV_CACHE_BYTES = 1 << 30
 class InFlight:
     """A launched step. Its host copies are complete once `done` has passed."""
     batch: Batch
-    tokens: torch.Tensor               # [rows] sampled ids
+    # the sampled ids [rows]; with logprobs, then the sampled token's [rows] and the top values
+    # and ids [rows, N]
+    outputs: list[torch.Tensor]
     done: torch.cuda.Event | None      # None on the CPU, where the copies are synchronous
     num_logprobs: list[int] | None = None   # per row (StepInput)
-    logprobs: tuple | None = None      # (sampled token's [rows], top values, top ids [rows, N])
 
 
 class ModelRunner:
@@ -199,14 +200,14 @@ class ModelRunner:
     def launch(self, batch: Batch) -> InFlight:
         step = build_step(batch, self.block_size)
         logits, sampled = self.run(step)
-        logprobs = None
+        outputs = [sampled]
         if step.num_logprobs is not None:
-            logprobs = top_logprobs(logits, sampled, max(step.num_logprobs))
-            logprobs = tuple(t.to("cpu", non_blocking=True) for t in logprobs)
-        # the sampled ids, from the GPU into pinned memory without waiting
-        tokens = sampled.to("cpu", non_blocking=True, copy=True)  # (a view of the buffers on the CPU)
+            outputs += top_logprobs(logits, sampled, max(step.num_logprobs))
+        # from the GPU into pinned memory without waiting (copies: on the CPU the ids are a view of
+        # the buffers)
+        outputs = [t.to("cpu", non_blocking=True, copy=True) for t in outputs]
         done = torch.cuda.current_stream().record_event() if self.device.type == "cuda" else None
-        return InFlight(batch, tokens, done, step.num_logprobs, logprobs)
+        return InFlight(batch, outputs, done, step.num_logprobs)
 
     @staticmethod
     def collect(launched: InFlight) -> tuple[list[int], list[dict] | None]:
@@ -214,11 +215,10 @@ class ModelRunner:
         top N and the sampled token's (a row that did not ask gets the sampled token's alone)."""
         if launched.done is not None:
             launched.done.synchronize()
-        ids = launched.tokens.tolist()
-        if launched.logprobs is None:
+        ids, *logprobs = (t.tolist() for t in launched.outputs)
+        if not logprobs:
             return ids, None
-        chosen, values, top_ids = (t.tolist() for t in launched.logprobs)
-        rows = zip(ids, chosen, values, top_ids, launched.num_logprobs)
+        rows = zip(ids, *logprobs, launched.num_logprobs)  # id, its logprob, top values, top ids, N
         return ids, [dict(zip(i[:max(n, 0)], v)) | {t: c} for t, c, v, i, n in rows]
 
     def close(self):

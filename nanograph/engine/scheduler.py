@@ -218,7 +218,8 @@ class Scheduler:
         for seq, start, n in zip(batch.seqs, batch.starts, batch.num_tokens):
             # blocks this step completed (none if it was preempted since: its counter went back to 0)
             if seq.status != Status.FINISHED:
-                self.block_manager.register_computed_blocks(seq, min(start + n, seq.num_computed_tokens))
+                computed = min(start + n, seq.num_computed_tokens)
+                self.block_manager.register_computed_blocks(seq, computed)
         updated = []
         for row, (seq, source, token) in enumerate(zip(batch.rows, batch.row_sources, sampled)):
             if seq.status == Status.FINISHED:

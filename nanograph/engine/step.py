@@ -169,8 +169,10 @@ class StepBuffers:
         host = {name: view.numpy() for name, view in self.views(shape, flat).items()}
         n, d = step.num_decodes, shape.decodes
         offsets = [offset - n for offset in step.cu_seqlens_q[n:]]  # within the prefill part
+        # a sampling row's token index in the layout of `shape` (the prefill part starts at d)
+        sample_indices = [i if i < n else i - n + d for i in step.sample_indices]
         fields = vars(step) | {"lora_slots": step.lora_slots or [-1] * len(step.input_ids),
-                               "sample_indices": [i if i < n else i - n + d for i in step.sample_indices],
+                               "sample_indices": sample_indices,
                                "cu_seqlens_q": offsets}
         for name, (per, pad) in self.FIELDS.items():
             values, view = fields[name], host[name]

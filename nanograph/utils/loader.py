@@ -29,8 +29,7 @@ def resolve_model_dir(model: str, weights: bool = True) -> str:
     if os.path.isdir(model):
         return model
     from huggingface_hub import snapshot_download
-    patterns = (["*.json", "*.safetensors", "*.txt", "*.model"] if weights
-                else ["*.json", "*.txt", "*.model"])
+    patterns = ["*.json", "*.txt", "*.model"] + (["*.safetensors"] if weights else [])
     try:
         return snapshot_download(model, allow_patterns=patterns)
     except Exception as e:  # offline, unknown repo, gated...: all end the same way for the user
