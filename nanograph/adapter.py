@@ -50,7 +50,7 @@ def module_shapes(hf) -> dict[str, tuple[int, int]]:
             "gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}
 
 
-def read_adapter(request: LoRARequest, hf, max_rank: int, where: str = "") -> Adapter:
+def read_adapter(request: LoRARequest, hf, max_rank: int, where="") -> Adapter:
     """Check a PEFT adapter directory against the model (config and tensor shapes); ValueError if
     anything is wrong, naming the adapter (after `where`, e.g. the request)."""
     def fail(why: str):
@@ -80,7 +80,7 @@ def read_adapter(request: LoRARequest, hf, max_rank: int, where: str = "") -> Ad
             want = (rank, inp) if match[4] == "A" else (out, rank)
             if tuple(f.get_slice(name).get_shape()) != want:
                 fail(f"tensor {name} has shape {tuple(f.get_slice(name).get_shape())}, expected {want} (rank {rank})")
-            pairs.add((name[:-len("A.weight")], match[4]))
+            pairs.add((match[1], match[4]))  # (module, A or B)
     if not pairs or len({p for p, _ in pairs}) * 2 != len(pairs):
         fail("every targeted module needs both lora_A and lora_B, and at least one module")
     return Adapter(request, rank, cfg["lora_alpha"] / (math.sqrt(rank) if cfg.get("use_rslora") else rank))

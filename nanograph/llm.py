@@ -147,10 +147,10 @@ class LLM(contextlib.AbstractContextManager):  # `with LLM(...) as llm:` closes 
             raise ValueError(f"{name}: stop strings need a tokenizer, and model {cfg.model!r} has none")
         block_size = cfg.kvcache_block_size
         longest = min(len(prompt) + params.max_tokens, cfg.max_model_len)
-        # one sequence at its longest, and the prompt with a block of its own for each other
-        # completion (a fork's copy of the partial last block)
+        # one sequence at its longest, and the prompt's full blocks with a partial last block for
+        # each completion (a fork copies the first one's)
         partial = len(prompt) % block_size > 0
-        blocks = max(-(-longest // block_size), -(-len(prompt) // block_size) + (params.n - 1) * partial)
+        blocks = max(-(-longest // block_size), len(prompt) // block_size + params.n * partial)
         if blocks > self.runner.num_kv_blocks:
             raise ValueError(f"{name}: needs up to {blocks} KV blocks ({longest} tokens, n={params.n}) "
                              f"but the cache has {self.runner.num_kv_blocks}; it could never run")

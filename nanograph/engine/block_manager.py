@@ -26,9 +26,9 @@ import xxhash
 from nanograph.engine.sequence import Sequence
 
 
-def chain_hash(token_ids: list[int], prefix_hash: int) -> int:
-    data = prefix_hash.to_bytes(8, "little") + b"".join(t.to_bytes(4, "little") for t in token_ids)
-    return xxhash.xxh64_intdigest(data)
+def chain_hash(token_ids: list[int], prefix_hash: int):
+    return xxhash.xxh64_intdigest(prefix_hash.to_bytes(8, "little")
+                                  + b"".join(t.to_bytes(4, "little") for t in token_ids))
 
 
 @dataclass
@@ -48,10 +48,10 @@ class BlockManager:
         self.cache_hit_tokens = 0
 
     @property
-    def num_free_blocks(self) -> int:
+    def num_free_blocks(self):
         return len(self.free_block_ids)
 
-    def _take_free_block(self) -> int:
+    def _take_free_block(self):
         block = self.blocks[self.free_block_ids.popleft()]
         if self.hash_to_block_id.get(block.hash) == block.block_id:
             del self.hash_to_block_id[block.hash]  # evict its cached contents
@@ -124,7 +124,7 @@ class BlockManager:
             return [(parent.block_table[full], child.block_table[full])]
         return []
 
-    def append_slot(self, seq: Sequence) -> bool:
+    def append_slot(self, seq: Sequence):
         """Make room for the token decode writes next (token len-1): a new block when that token
         starts one. False when it does and no block is free."""
         if len(seq.block_table) * self.block_size < len(seq):

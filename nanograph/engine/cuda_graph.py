@@ -94,7 +94,7 @@ def mixed_grid(max_bs: int, budget: int) -> list[tuple[int, int]]:
     return grid
 
 
-def decode_shape(d: int, rank: int = 0) -> StepShape:
+def decode_shape(d: int, rank=0) -> StepShape:
     return StepShape(decodes=d, rows=d, lora_rank=rank)
 
 
@@ -112,7 +112,7 @@ class GraphStats:
     real_rows: int = 0      # decode rows of real sequences over all decode replays
     real_tokens: int = 0    # tokens of real sequences over all mixed replays
 
-    def as_dict(self) -> dict:
+    def as_dict(self):
         decode, mixed = Counter(), Counter()
         for shape, n in self.replays.items():
             (mixed if shape.prefill_tokens else decode)[shape.tokens] += n
@@ -146,7 +146,7 @@ class CudaGraphRunner:
         self.graphs: dict[StepShape, torch.cuda.CUDAGraph] = {}
         self.capture(forward, buffers)
 
-    def stats_dict(self) -> dict:
+    def stats_dict(self):
         return {"cuda_graph_sizes": self.ladder,
                 "mixed_graph_grid": self.grid,
                 "lora_rank_buckets": self.ranks[1:],

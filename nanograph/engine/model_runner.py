@@ -51,7 +51,7 @@ class InFlight:
 
 
 class ModelRunner:
-    def __init__(self, config: Config, rank: int = 0):
+    def __init__(self, config: Config, rank=0):
         self.config = config
         self.device = torch.device(config.device)
         if self.device.type == "cuda" and config.tensor_parallel_size > 1:
@@ -86,12 +86,12 @@ class ModelRunner:
         self.graphs = None  # "no graphs" has one spelling: this stays None (run works before capture)
         self.num_kv_blocks = self.allocate_kv_cache()
         # the torch backend (the oracle) reads lengths on the host: it cannot be captured
-        capturable = config.attention_backend != "torch"
-        if self.device.type == "cuda" and capturable and not config.enforce_eager and config.cuda_graph_max_bs != 0:
+        capturable = self.device.type == "cuda" and config.attention_backend != "torch"
+        if capturable and not config.enforce_eager and config.cuda_graph_max_bs != 0:
             self.graphs = CudaGraphRunner(config, self.forward, self.buffers)
 
     # ---- KV cache ------------------------------------------------------------------------
-    def allocate_kv_cache(self) -> int:
+    def allocate_kv_cache(self):
         block_bytes = 2 * len(self.attention_layers) * self.config.torch_dtype.itemsize * math.prod(self.kv_block_shape)
         num_blocks = self.config.num_kvcache_blocks
         if num_blocks is None and self.device.type == "cuda":
@@ -117,7 +117,7 @@ class ModelRunner:
         for i, attn in enumerate(self.attention_layers):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
 
-    def measure_activation_peak(self) -> int:
+    def measure_activation_peak(self):
         """Run the largest prefill the scheduler can send once and return the activation memory it
         peaked at: the shape decides the memory, so its rows are all padding (no K/V written)."""
         tokens = self.config.max_num_batched_tokens

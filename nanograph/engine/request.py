@@ -30,7 +30,7 @@ class Detokenizer:
         self.num_fed = 0  # completion tokens seen
         self.text = ""
 
-    def feed(self, token_ids: list[int]) -> str:
+    def feed(self, token_ids: list[int]):
         """Take the completion's new tokens; return the text they complete."""
         self.num_fed += len(token_ids)
         piece = self.stream.step(self.tokenizer, token_ids) or ""
@@ -60,7 +60,7 @@ class Request:
             self.detokenizers = [Detokenizer(tokenizer, prompt_token_ids, skip) for _ in seqs]
 
     @property
-    def finished(self) -> bool:
+    def finished(self):
         return all(seq.status == Status.FINISHED for seq in self.seqs)
 
     def update_text(self, seq: Sequence) -> str | None:
@@ -80,7 +80,7 @@ class Request:
         detokenizer.text = detokenizer.text[:start + len(stop) * params.include_stop_str_in_output]
         return stop
 
-    def completion(self, i: int) -> dict:
+    def completion(self, i: int):
         seq = self.seqs[i]
         text = None
         if self.detokenizers is not None:
@@ -94,12 +94,12 @@ class Request:
                 "logprobs": seq.logprobs,
                 "cumulative_logprob": None if seq.logprobs is None else seq.cumulative_logprob}
 
-    def result(self) -> dict:
+    def result(self):
         """generate's dict: the first completion's keys at the top level, all n in `outputs`."""
         outputs = [self.completion(i) for i in range(len(self.seqs))]
         return {**outputs[0], "outputs": outputs}
 
-    def step_output(self) -> dict:
+    def step_output(self):
         """step()'s dict: the result so far, which request, whether it is finished."""
         return {"request_id": self.request_id,
                 "prompt_token_ids": self.prompt_token_ids,

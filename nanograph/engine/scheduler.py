@@ -71,7 +71,7 @@ class Batch:
     lora_loads: list = field(default_factory=list)  # (slot, Adapter) to load before this step
 
     @property
-    def kind(self) -> str:
+    def kind(self):
         if self.num_decodes == len(self.seqs):
             return "decode"
         return "mixed" if self.num_decodes else "prefill"
@@ -80,7 +80,7 @@ class Batch:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_num_mixed_tokens: int | None = None, max_model_len: int = 1 << 30,
-                 max_loras: int = 0, lora_ranks: tuple[int, ...] = ()):
+                 max_loras=0, lora_ranks: tuple[int, ...] = ()):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -104,9 +104,8 @@ class Scheduler:
         decodes = self.schedule_decodes()
         budget = self.max_num_mixed_tokens if decodes else self.max_num_batched_tokens
         prefills = []
-        if not self.prefill_first:
-            admit = self.num_preemptions == preemptions
-            prefills = self.schedule_prefills(budget - len(decodes), admit)
+        if not self.prefill_first:  # (a step that preempted admits no new prompt)
+            prefills = self.schedule_prefills(budget - len(decodes), self.num_preemptions == preemptions)
         return self.account(decodes, prefills) if decodes or prefills else None
 
     def schedule_decodes(self) -> list[Sequence]:
@@ -124,7 +123,7 @@ class Scheduler:
         self.running.extend(seqs)
         return seqs
 
-    def schedule_prefills(self, budget: int, admit: bool = True) -> list[tuple[Sequence, int]]:
+    def schedule_prefills(self, budget: int, admit=True) -> list[tuple[Sequence, int]]:
         """(sequence, chunk) pairs from the head of `waiting` within `budget` tokens; only the
         part-prefilled head, unless `admit`."""
         chunks = []
@@ -145,7 +144,7 @@ class Scheduler:
             self.running.append(seq)
         return chunks
 
-    def can_admit(self, seq: Sequence) -> bool:
+    def can_admit(self, seq: Sequence):
         """Room for `seq` (and its forks): sequences, adapter slots, blocks."""
         if len(self.running) + 1 + len(seq.forks) > self.max_num_seqs:
             return False
@@ -200,7 +199,7 @@ class Scheduler:
             seq.forks = []
         return batch
 
-    def at_length_limit(self, seq: Sequence, length: int) -> bool:
+    def at_length_limit(self, seq: Sequence, length: int):
         """Whether a sequence of `length` tokens has no room for another (max_tokens, max_model_len)."""
         return length - seq.num_prompt_tokens >= seq.params.max_tokens or length >= self.max_model_len
 
@@ -238,7 +237,7 @@ class Scheduler:
             updated.append(seq)
         return updated
 
-    def finish(self, seq: Sequence, reason: str = "abort", stop_reason: int | str | None = None):
+    def finish(self, seq: Sequence, reason="abort", stop_reason: int | str | None = None):
         """Done or aborted: drop the placeholders of steps scheduled after its last token, free its
         blocks (and its forks'), take it off whichever queue holds it."""
         if seq.status == Status.FINISHED:

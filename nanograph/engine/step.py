@@ -77,11 +77,11 @@ class StepShape:
     max_chunk: int = 0  # a bound on a chunk's length: it sizes the prefill kernel's grid
 
     @property
-    def tokens(self) -> int:
+    def tokens(self):
         return self.decodes + self.prefill_tokens
 
     @property
-    def seqs(self) -> int:
+    def seqs(self):
         return self.decodes + self.chunks
 
 

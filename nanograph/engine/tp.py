@@ -139,7 +139,7 @@ class TensorParallelRunner(ModelRunner):
         except BaseException as e:
             self.fail(e)
 
-    def dead_worker(self, wait_s: float = 0.0) -> str | None:
+    def dead_worker(self, wait_s=0.0) -> str | None:
         """A message naming the first worker that has exited, waiting up to wait_s for one to."""
         ready = wait([p.sentinel for p in self.procs], timeout=wait_s)
         for rank, p in enumerate(self.procs, 1):

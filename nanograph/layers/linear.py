@@ -29,19 +29,19 @@ from nanograph.layers.lora_slots import linear_with_lora, lora_inputs
 from nanograph.layers.norm import DeferredNorm
 
 
-def gemv_max_rows(widest_input: int) -> int:
+def gemv_max_rows(widest_input: int):
     """Up to how many rows the CUDA-core GEMV runs a model whose widest product input is
     `widest_input` (the tensor-core kernel takes the rest up to 16): see the docstring above."""
     return 2 if widest_input <= 4096 else 1
 
 
-def use_gemv(x: torch.Tensor | DeferredNorm) -> bool:
+def use_gemv(x: torch.Tensor | DeferredNorm):
     """gemv.py's kernels, not cuBLAS. A DeferredNorm is only ever made for them (models/decoder.py
     decides)."""
     return isinstance(x, DeferredNorm) or (x.is_cuda and x.shape[0] <= 16)
 
 
-def linear(layer, x: torch.Tensor | DeferredNorm, bias=None, silu_and_mul: bool = False,
+def linear(layer, x: torch.Tensor | DeferredNorm, bias=None, silu_and_mul=False,
            residual=None):
     """x W^T + bias with `layer`'s weight W, plus each row's LoRA delta when `layer` is a LoRA
     target (layers/lora_slots.py). gemv.py's kernels also take a DeferredNorm as x and can apply
@@ -65,11 +65,11 @@ def parameter(data, weight_loader):
     return param
 
 
-def tp_rank() -> int:
+def tp_rank():
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def tp_size() -> int:
+def tp_size():
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
@@ -78,7 +78,7 @@ class ColumnParallelLinear(nn.Module):
     lora_a = lora_b = None  # with enable_lora: the adapter slots (layers/lora_slots.py)
     gemv_rows = 2           # the model's gemv_max_rows (models/decoder.py sets it)
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+    def __init__(self, in_features: int, out_features: int, bias=False):
         super().__init__()
         self.part_starts = (0,)  # where each fused part's outputs start on this rank
         assert out_features % tp_size() == 0, \
@@ -102,7 +102,7 @@ class ColumnParallelLinear(nn.Module):
         self.lora_a[slot, self.part_starts.index(offset), :a.shape[0]] = a
         self.lora_b[slot, offset:offset + rows, :b.shape[1]] = b[start:start + rows]
 
-    def forward(self, x, silu_and_mul: bool = False):
+    def forward(self, x, silu_and_mul=False):
         return linear(self, x, self.bias, silu_and_mul)
 
 
@@ -110,7 +110,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel outputs fused into one GEMM, e.g. [gate | up] of the MLP.
     Each rank stores [gate_r | up_r], its slice of every part."""
 
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False):
+    def __init__(self, in_features: int, output_sizes: list[int], bias=False):
         self.output_sizes = output_sizes
         super().__init__(in_features, sum(output_sizes), bias)
         self.part_starts = tuple(sum(output_sizes[:i]) // tp_size()
@@ -126,7 +126,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     when there are fewer KV heads than ranks (each rank then keeps the one its queries use)."""
 
     def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int,
-                 bias: bool = False):
+                 bias=False):
         tp = tp_size()
         assert num_heads % tp == 0, f"{num_heads} attention heads don't split over {tp} ranks"
         assert num_kv_heads % tp == 0 or tp % num_kv_heads == 0, \
@@ -158,7 +158,7 @@ class RowParallelLinear(nn.Module):
     gemv_rows = 2
     part_starts = (0,)
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+    def __init__(self, in_features: int, out_features: int, bias=False):
         super().__init__()
         assert in_features % tp_size() == 0, \
             f"{in_features} input features don't split over {tp_size()} ranks"

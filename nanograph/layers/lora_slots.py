@@ -84,7 +84,7 @@ def load_adapter(model, slot: int, adapter: Adapter):
         producer.lora_a[slot, 1:] = torch.cat([folded @ (producer.weight.float() + b @ a[:, :k]), folded], -1)
 
 
-def lora_active(layer) -> bool:
+def lora_active(layer):
     """Whether `layer` adds LoRA deltas this step: it is a target, and the step has adapters."""
     return getattr(layer, "lora_a", None) is not None and get_step_metadata().lora_rank > 0
 

@@ -52,7 +52,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x, residual=None, defer: bool = False):
+    def forward(self, x, residual=None, defer=False):
         if defer:
             out = DeferredNorm(x, self.weight, self.eps, residual,
                                None if residual is None else torch.empty_like(x))  # residual_out

@@ -14,7 +14,7 @@ from nanograph.layers.norm import rms_norm
 
 
 def rope_frequencies(head_dim: int, rope: dict):
-    inv_freq = 1.0 / (rope.get("rope_theta", 10000.0)
+    inv_freq = 1.0 / (rope["rope_theta"]
                       ** (torch.arange(0, head_dim, 2).float() / head_dim))
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind == "default":

@@ -23,7 +23,7 @@ from nanograph.utils.compile import cuda_compiled
 from nanograph.utils.context import get_step_metadata
 
 
-def head_dim(cfg) -> int:
+def head_dim(cfg):
     return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
 
@@ -33,7 +33,7 @@ def silu_and_mul(x):
     return F.silu(gate) * up
 
 
-def defer_norm(x) -> bool:
+def defer_norm(x):
     """Whether the norm of `x` is deferred into the GEMV that reads it (see norm.py): at small
     decode batches on CUDA, and in a LoRA step only where a fold has made the GEMV's h
     (layers/lora_slots.py): not the first layer's, nor with tp > 1."""

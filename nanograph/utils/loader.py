@@ -25,7 +25,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 
-def resolve_model_dir(model: str, weights: bool = True) -> str:
+def resolve_model_dir(model: str, weights=True):
     if os.path.isdir(model):
         return model
     from huggingface_hub import snapshot_download
