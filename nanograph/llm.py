@@ -206,7 +206,7 @@ class LLM(contextlib.AbstractContextManager):  # `with LLM(...) as llm:` closes 
 
     def chat_prompt(self, conversation: list[dict], chat_template_kwargs: dict | None = None) -> list[int]:
         """A conversation's token ids: the tokenizer's chat template, with the assistant's turn opened."""
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+        if not getattr(self.tokenizer, "chat_template", None):  # (no tokenizer: None has none)
             raise ValueError(f"model {self.config.model!r} has no chat template in its tokenizer: use generate")
         text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True,
                                                   **(chat_template_kwargs or {}))
@@ -257,14 +257,15 @@ class LLM(contextlib.AbstractContextManager):  # `with LLM(...) as llm:` closes 
                                    "step them to the end or abort them before generate")
             if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
                 raise ValueError("prompts must be a list of prompts (str or list of token ids)")
-            params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
-            loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
-            for name, values in (("sampling params", params), ("lora requests", loras)):
+            per_prompt = []  # the sampling params and the lora requests: one for all, or one each
+            for name, value in (("sampling params", sampling_params), ("lora requests", lora_request)):
+                values = value if isinstance(value, list) else [value] * len(prompts)
                 if len(values) != len(prompts):
                     raise ValueError(f"got {len(prompts)} prompts but {len(values)} {name}")
+                per_prompt.append(values)
             try:  # every request is checked before any runs
                 requests = [self._make_request(f"request {i}", *args)
-                            for i, args in enumerate(zip(prompts, params, loras))]
+                            for i, args in enumerate(zip(prompts, *per_prompt))]
             except ValueError:
                 self.scheduler.waiting.clear()
                 self.requests.clear()

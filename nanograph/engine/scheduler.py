@@ -63,8 +63,8 @@ class Batch:
     num_decodes: int
     num_tokens: list[int]   # per sequence: tokens computed this step (1 in the decode part)
     starts: list[int] = field(default_factory=list)  # per sequence: num_computed_tokens before
-    rows: list[Sequence] = field(default_factory=list)  # who gets the token of each sampling row
-    row_sources: list[int] = field(default_factory=list)  # per row: the index in seqs it samples
+    # per sampling row: who gets its token, and the index in seqs of the sequence it samples
+    rows: list[tuple[Sequence, int]] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), after the step
     lora_slots: list[int] | None = None             # per sequence: adapter slot, -1 = none
     lora_rank: int = 0                              # rank bucket of the step's adapters, 0 = none
@@ -103,9 +103,8 @@ class Scheduler:
         preemptions = self.num_preemptions
         decodes = self.schedule_decodes()
         budget = self.max_num_mixed_tokens if decodes else self.max_num_batched_tokens
-        prefills = []
-        if not self.prefill_first:  # (a step that preempted admits no new prompt)
-            prefills = self.schedule_prefills(budget - len(decodes), self.num_preemptions == preemptions)
+        admit = self.num_preemptions == preemptions  # a step that preempted admits no new prompt
+        prefills = [] if self.prefill_first else self.schedule_prefills(budget - len(decodes), admit)
         return self.account(decodes, prefills) if decodes or prefills else None
 
     def schedule_decodes(self) -> list[Sequence]:
@@ -192,8 +191,7 @@ class Scheduler:
                 self.running.append(child)
             for sampler in [seq, *seq.forks]:
                 sampler.token_ids.append(-1 - len(batch.rows))
-                batch.rows.append(sampler)
-                batch.row_sources.append(i)
+                batch.rows.append((sampler, i))
                 if self.at_length_limit(sampler, len(sampler)):
                     self.running.remove(sampler)  # its last token is decided: finishes in update()
             seq.forks = []
@@ -220,7 +218,7 @@ class Scheduler:
                 computed = min(start + n, seq.num_computed_tokens)
                 self.block_manager.register_computed_blocks(seq, computed)
         updated = []
-        for row, (seq, source, token) in enumerate(zip(batch.rows, batch.row_sources, sampled)):
+        for row, ((seq, source), token) in enumerate(zip(batch.rows, sampled)):
             if seq.status == Status.FINISHED:
                 self.num_discarded_tokens += 1  # stopped by a token one step late
                 continue

@@ -102,8 +102,8 @@ def build_step(batch: Batch, block_size: int) -> StepInput:
         step.context_lens.append(end)
         step.block_tables.append(table + [-1] * (width - len(table)))
         step.cu_seqlens_q.append(len(step.input_ids))
-    params = [seq.params for seq in batch.rows]
-    for row, (seq, source) in enumerate(zip(batch.rows, batch.row_sources)):
+    params = [seq.params for seq, _ in batch.rows]
+    for row, (seq, source) in enumerate(batch.rows):
         step.sample_indices.append(step.cu_seqlens_q[source + 1] - 1)
         step.sample_lens.append(step.context_lens[source])
         step.temperatures.append(seq.params.temperature)
