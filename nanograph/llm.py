@@ -169,7 +169,7 @@ class LLM(contextlib.AbstractContextManager):  # `with LLM(...) as llm:` closes 
         return self.adapters[request]
 
     def _make_request(self, name: str, prompt, params: SamplingParams | None,
-                      lora_request: LoRARequest | None) -> Request:
+                      lora_request: LoRARequest | None):
         """A validated request and its n sequences (nothing queued yet); `name` for errors."""
         params = SamplingParams() if params is None else params
         prompt = self._validate(name, prompt, params)
@@ -185,8 +185,9 @@ class LLM(contextlib.AbstractContextManager):  # `with LLM(...) as llm:` closes 
                                  request_id))
         seqs[0].forks = seqs[1:]  # computed once by the first, then forked (scheduler.py)
         self.scheduler.waiting.append(seqs[0])
-        self.requests[request_id] = Request(request_id, prompt, seqs, self.tokenizer)
-        return self.requests[request_id]
+        request = Request(request_id, prompt, seqs, self.tokenizer)
+        self.requests[request_id] = request
+        return request
 
     def add_request(self, prompt, sampling_params: SamplingParams | None = None,
                     lora_request: LoRARequest | None = None) -> int:
@@ -218,7 +219,7 @@ class LLM(contextlib.AbstractContextManager):  # `with LLM(...) as llm:` closes 
         with self.driving():
             return [request.step_output() for request in self._step()]
 
-    def _step(self) -> list[Request]:
+    def _step(self):
         """Launch the next step, collect the oldest in flight; the requests that changed (and
         those aborted since the last step)."""
         changed = {i: r for i, r in self.requests.items() if r.finished}
@@ -226,7 +227,7 @@ class LLM(contextlib.AbstractContextManager):  # `with LLM(...) as llm:` closes 
             batch = self.scheduler.schedule()
             if batch is not None:
                 self.in_flight.append(self.runner.launch(batch))
-            lookahead = 1 if self.config.overlap_scheduling else 0
+            lookahead = int(self.config.overlap_scheduling)  # steps left in flight after a launch
             if len(self.in_flight) > lookahead or (batch is None and self.in_flight):
                 launched = self.in_flight.popleft()
                 for seq in self.scheduler.update(launched.batch, *self.runner.collect(launched)):
@@ -258,7 +259,8 @@ class LLM(contextlib.AbstractContextManager):  # `with LLM(...) as llm:` closes 
             if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
                 raise ValueError("prompts must be a list of prompts (str or list of token ids)")
             per_prompt = []  # the sampling params and the lora requests: one for all, or one each
-            for name, value in (("sampling params", sampling_params), ("lora requests", lora_request)):
+            for name, value in (("sampling params", sampling_params),
+                                ("lora requests", lora_request)):
                 values = value if isinstance(value, list) else [value] * len(prompts)
                 if len(values) != len(prompts):
                     raise ValueError(f"got {len(prompts)} prompts but {len(values)} {name}")

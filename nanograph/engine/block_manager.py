@@ -40,7 +40,7 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool):
+    def __init__(self, num_blocks, block_size, enable_prefix_caching):
         self.block_size, self.enable_prefix_caching = block_size, enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_block_ids: deque[int] = deque(range(num_blocks))
@@ -89,7 +89,7 @@ class BlockManager:
         for child in seq.forks if seq.num_prompt_tokens % self.block_size else ():
             child.block_table = [self._take_free_block()]
 
-    def register_computed_blocks(self, seq: Sequence, num_computed: int):
+    def register_computed_blocks(self, seq: Sequence, num_computed):
         """Enter the blocks of `seq` that its first `num_computed` tokens fill into the prefix cache.
         (The caller passes the count of a step that has run: `seq.num_computed_tokens` already
         counts steps still in flight, whose placeholder tokens cannot be hashed.)"""
@@ -112,7 +112,7 @@ class BlockManager:
                 self.free_block_ids.append(block_id)
         seq.block_table, seq.num_hashed_blocks = [], 0
 
-    def fork(self, parent: Sequence, child: Sequence) -> list[tuple[int, int]]:
+    def fork(self, parent: Sequence, child: Sequence):
         """Share the parent's full prompt blocks with `child` (reference counts). Returns the
         copies the caller must make: [(parent's, child's) partial last block], or none."""
         full = parent.num_prompt_tokens // self.block_size

@@ -65,7 +65,7 @@ MIXED_PREFILL_CHUNKS = 8  # prefill chunks a mixed graph holds
 MIN_PREFILL_BUCKET = 64   # the smallest prefill-token bucket
 
 
-def bucket_ladder(max_bs: int) -> list[int]:
+def bucket_ladder(max_bs):
     """1, 2, 4, 8, then sizes shrinking geometrically by 4/5 down from max_bs, multiples of 8."""
     sizes, s = [s for s in (1, 2, 4, 8) if s < max_bs], max_bs
     while s > 8:
@@ -74,12 +74,12 @@ def bucket_ladder(max_bs: int) -> list[int]:
     return sorted(set(sizes + [max_bs]))
 
 
-def find_bucket(ladder: list[int], n: int) -> int | None:
+def find_bucket(ladder: list[int], n: int):
     """Smallest bucket that holds n; None when n is above the ladder (run eager)."""
     return next((bs for bs in ladder if bs >= n), None)
 
 
-def mixed_grid(max_bs: int, budget: int) -> list[tuple[int, int]]:
+def mixed_grid(max_bs, budget: int):
     """(decode bucket, prefill bucket) pairs that a step of at most `budget` tokens, at least one
     of them decoding and one prefilling, can need; both ladders powers of two (decode rows cost
     little next to prefill tokens, so the coarser ladder pads them for half the graphs)."""
@@ -193,7 +193,7 @@ class CudaGraphRunner:
         reach zero: a graph left alive makes the tensor-parallel shutdown hang."""
         self.graphs.clear()
 
-    def lookup(self, step: StepShape) -> StepShape | None:
+    def lookup(self, step: StepShape):
         """The smallest graph that holds a step of (exact) shape `step`; None (counted) when it
         runs eager."""
         graph = None

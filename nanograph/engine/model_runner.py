@@ -111,7 +111,7 @@ class ModelRunner:
         self.bind_kv_cache(num_blocks)
         return num_blocks
 
-    def bind_kv_cache(self, num_blocks: int):
+    def bind_kv_cache(self, num_blocks):
         self.kv_cache = torch.zeros(2, len(self.attention_layers), num_blocks, *self.kv_block_shape,
                                     dtype=self.config.torch_dtype, device=self.device)
         for i, attn in enumerate(self.attention_layers):
@@ -136,7 +136,7 @@ class ModelRunner:
         return peak
 
     # ---- one step --------------------------------------------------------------------------
-    def upload(self, data: list, dtype: torch.dtype) -> torch.Tensor:
+    def upload(self, data, dtype: torch.dtype):
         """A host list on the device without waiting for the GPU (pinned memory, non-blocking copy)."""
         pinned = torch.tensor(data, dtype=dtype, pin_memory=self.device.type == "cuda")
         return pinned.to(self.device, non_blocking=True)
@@ -166,7 +166,7 @@ class ModelRunner:
         self.tokens.put(self.sampled[:rows])
 
     @torch.inference_mode()
-    def run(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, step: StepInput):
         """The logits [rows, vocab] and sampled ids [rows] of the step's sampling rows; the ids
         also go into the token table. Every tensor-parallel rank runs this and samples the same ids."""
         for slot, adapter in step.lora_loads:
@@ -189,7 +189,7 @@ class ModelRunner:
             if step.banned:
                 banned = tuple(self.upload(step.banned, torch.int64).T)
             sampled = sample(logits, inputs["temperatures"][:rows], inputs["seeds"][:rows],
-                             inputs["sample_lens"][:rows], top=top, banned=banned)
+                             inputs["sample_lens"][:rows], top, banned)
             self.tokens.put(sampled)
         if step.block_copies:  # forks' copies of their parent's partial block, once it is computed
             src, dst = self.upload(step.block_copies, torch.int64).T
@@ -210,7 +210,7 @@ class ModelRunner:
         return InFlight(batch, outputs, done, step.num_logprobs)
 
     @staticmethod
-    def collect(launched: InFlight) -> tuple[list[int], list[dict] | None]:
+    def collect(launched: InFlight):
         """The step's sampled ids and, when some row asked, each row's {token id: logprob}: its
         top N and the sampled token's (a row that did not ask gets the sampled token's alone)."""
         if launched.done is not None:

@@ -38,7 +38,7 @@ class Detokenizer:
         return piece
 
 
-def find_stop(text: str, new_chars: int, stops: list[str]) -> tuple[int, str] | None:
+def find_stop(text: str, new_chars: int, stops: list[str]):
     """The earliest stop string in `text` that ends in its last `new_chars` characters:
     (where it starts, which one)."""
     found = None
@@ -63,7 +63,7 @@ class Request:
     def finished(self):
         return all(seq.status == Status.FINISHED for seq in self.seqs)
 
-    def update_text(self, seq: Sequence) -> str | None:
+    def update_text(self, seq: Sequence):
         """Detokenize the completion's new tokens; the stop string they complete, if any."""
         if self.detokenizers is None:
             return None

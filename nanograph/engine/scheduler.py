@@ -78,9 +78,8 @@ class Batch:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_num_mixed_tokens: int | None = None, max_model_len: int = 1 << 30,
-                 max_loras=0, lora_ranks: tuple[int, ...] = ()):
+    def __init__(self, block_manager: BlockManager, max_num_seqs, max_num_batched_tokens,
+                 max_num_mixed_tokens=None, max_model_len=1 << 30, max_loras=0, lora_ranks=()):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -94,20 +93,23 @@ class Scheduler:
         self.steps = Counter()  # "decode" / "mixed" / "prefill" -> steps scheduled
         self.max_loras = max_loras
         self.lora_ranks = lora_ranks
-        self.slot_of: OrderedDict = OrderedDict()  # Adapter -> slot, least recently used first
+        self.slot_of = OrderedDict()  # Adapter -> slot, least recently used first
 
-    def schedule(self) -> Batch | None:
+    def schedule(self):
         """The next step (None: nothing can run until an in-flight step is collected)."""
         if self.prefill_first and (prefills := self.schedule_prefills(self.max_num_batched_tokens)):
             return self.account([], prefills)
         preemptions = self.num_preemptions
         decodes = self.schedule_decodes()
         budget = self.max_num_mixed_tokens if decodes else self.max_num_batched_tokens
-        admit = self.num_preemptions == preemptions  # a step that preempted admits no new prompt
-        prefills = [] if self.prefill_first else self.schedule_prefills(budget - len(decodes), admit)
+        prefills = []
+        if not self.prefill_first:
+            # a step that preempted admits no new prompt
+            admit = self.num_preemptions == preemptions
+            prefills = self.schedule_prefills(budget - len(decodes), admit)
         return self.account(decodes, prefills) if decodes or prefills else None
 
-    def schedule_decodes(self) -> list[Sequence]:
+    def schedule_decodes(self):
         """Every running sequence, each with room for one more token (preempting for it)."""
         seqs = []
         while self.running:
@@ -122,7 +124,7 @@ class Scheduler:
         self.running.extend(seqs)
         return seqs
 
-    def schedule_prefills(self, budget: int, admit=True) -> list[tuple[Sequence, int]]:
+    def schedule_prefills(self, budget: int, admit=True):
         """(sequence, chunk) pairs from the head of `waiting` within `budget` tokens; only the
         part-prefilled head, unless `admit`."""
         chunks = []
@@ -152,7 +154,7 @@ class Scheduler:
         partial = seq.num_prompt_tokens % self.block_manager.block_size > 0
         return seq.num_blocks + len(seq.forks) * partial <= self.block_manager.num_free_blocks
 
-    def adapters_in_use(self, seqs) -> set:
+    def adapters_in_use(self, seqs):
         return {s.adapter for s in (*self.running, *seqs) if s.adapter}
 
     def assign_slots(self, batch: Batch):
@@ -171,7 +173,7 @@ class Scheduler:
         batch.lora_slots = [self.slot_of[s.adapter] if s.adapter else -1 for s in batch.seqs]
         batch.lora_rank = next(r for r in self.lora_ranks if r >= max(a.rank for a in adapters))
 
-    def account(self, decodes: list[Sequence], prefills: list[tuple[Sequence, int]]) -> Batch:
+    def account(self, decodes: list[Sequence], prefills: list[tuple[Sequence, int]]):
         """The step of `decodes` and `prefills`, treated as computed: adapter slots, counters
         advanced, a placeholder for each sampling row, forks forked."""
         batch = Batch(seqs=decodes + [seq for seq, _ in prefills],
@@ -208,8 +210,7 @@ class Scheduler:
         self.waiting.insert(1 if self.waiting and self.waiting[0].block_table else 0, seq)
         self.num_preemptions += 1
 
-    def update(self, batch: Batch, sampled: list[int], logprobs: list[dict | None] | None = None,
-               ) -> list[Sequence]:
+    def update(self, batch: Batch, sampled: list[int], logprobs: list[dict | None] | None = None):
         """Account for a collected step: each row's token (and its logprobs, when asked) into its
         sequence. Returns the sequences that got a token (finished ones with their reason)."""
         for seq, start, n in zip(batch.seqs, batch.starts, batch.num_tokens):

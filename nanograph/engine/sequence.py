@@ -58,7 +58,7 @@ class Sequence:
         return len(self.token_ids)
 
     @property
-    def completion_token_ids(self) -> list[int]:
+    def completion_token_ids(self):
         """The completion's tokens the host has: without placeholders for tokens still in flight."""
         tokens = self.token_ids[self.num_prompt_tokens:]
         while tokens and tokens[-1] < 0:

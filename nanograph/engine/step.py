@@ -52,7 +52,7 @@ class StepInput:
     lora_rank: int = 0                    # the step's LoRA rank bucket, 0 = no adapters
     lora_loads: list = field(default_factory=list)  # (slot, Adapter) to load first (scheduler.py)
 
-    def exact_shape(self) -> "StepShape":
+    def exact_shape(self):
         """The shape that holds this step and nothing more (an eager step's)."""
         n = self.num_decodes
         cu = self.cu_seqlens_q[n:]
@@ -85,7 +85,7 @@ class StepShape:
         return self.decodes + self.chunks
 
 
-def build_step(batch: Batch, block_size: int) -> StepInput:
+def build_step(batch: Batch, block_size) -> StepInput:
     step = StepInput(num_decodes=batch.num_decodes,
                      block_copies=batch.block_copies,
                      lora_rank=batch.lora_rank,
@@ -135,7 +135,7 @@ class StepBuffers:
               "sample_lens": ("row", 0), "temperatures": ("row", 0), "seeds": ("row", 0),
               "cu_seqlens_q": ("chunk", None)}
 
-    def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, device):
+    def __init__(self, max_tokens, max_seqs, max_blocks, device):
         self.max_blocks = max_blocks
         largest = StepShape(decodes=max_tokens, chunks=max_seqs, rows=max_seqs)
         size = self.layout(largest)["block_tables"].stop
@@ -154,7 +154,7 @@ class StepBuffers:
         slices["block_tables"] = slice(start, start + shape.seqs * self.max_blocks)
         return slices
 
-    def views(self, shape: StepShape, flat: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    def views(self, shape: StepShape, flat: torch.Tensor | None = None):
         """The fields of a step of `shape`, as views of `flat` (default: the device tensor)."""
         flat = self.device_flat if flat is None else flat
         views = {name: flat[where] for name, where in self.layout(shape).items()}
@@ -193,10 +193,9 @@ class StepBuffers:
 class TokenTable:
     """arange(vocab + max_rows): ids index themselves, placeholder -1 - r the last step's row r."""
 
-    def __init__(self, vocab_size: int, max_rows: int, device):
+    def __init__(self, vocab_size, max_rows, device):
         self.ids = torch.arange(vocab_size + max_rows, device=device)
-        # row r -> index -1 - r
-        self.rows = torch.arange(vocab_size + max_rows - 1, vocab_size - 1, -1, device=device)
+        self.rows = self.ids[-max_rows:].flip(0)  # row r -> index -1 - r
 
     def resolve(self, ids: torch.Tensor) -> torch.Tensor:
         return self.ids[ids]

@@ -89,7 +89,7 @@ def worker_main(config: Config, rank: int, port: int):
     dist.destroy_process_group()
 
 
-def shutdown(procs: list, group_ref: list, num_threads: int):
+def shutdown(procs, group_ref, num_threads):
     """Ask the workers to exit, destroy the process groups with them, reap them. Runs once.
 
     NCCL tears a communicator down collectively, so rank 0 destroys its groups while the workers
@@ -139,7 +139,7 @@ class TensorParallelRunner(ModelRunner):
         except BaseException as e:
             self.fail(e)
 
-    def dead_worker(self, wait_s=0.0) -> str | None:
+    def dead_worker(self, wait_s=0.0):
         """A message naming the first worker that has exited, waiting up to wait_s for one to."""
         ready = wait([p.sentinel for p in self.procs], timeout=wait_s)
         for rank, p in enumerate(self.procs, 1):

@@ -49,7 +49,7 @@ def torch_rotate_and_store(q, k, v, positions, cos, sin, q_weight, k_weight, eps
 
 def torch_attend(q, k_cache, v_cache, inputs: AttentionInputs, scale: float):
     """Either part: each sequence's keys gathered through its block table, then SDPA."""
-    out = torch.empty_like(q)
+    outs = []
     # the oracle may wait for the device: it slices on the host (so it runs outside CUDA graphs)
     lens = inputs.context_lens.tolist()
     cu = range(len(lens) + 1) if inputs.cu_seqlens_q is None else inputs.cu_seqlens_q.tolist()
@@ -62,8 +62,8 @@ def torch_attend(q, k_cache, v_cache, inputs: AttentionInputs, scale: float):
         # query i sits at position ctx - q_len + i and sees keys 0 .. ctx - q_len + i
         mask = torch.ones(q_len, ctx, dtype=torch.bool, device=q.device).tril(ctx - q_len)
         o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-        out[cu[s]:cu[s + 1]] = o.transpose(0, 1)
-    return out
+        outs.append(o.transpose(0, 1))
+    return torch.cat(outs)
 
 
 def triton_prefill(q, k_cache, v_cache, inputs: AttentionInputs, scale: float):

@@ -14,7 +14,7 @@ from nanograph.layers.linear import linear, parameter, tp_rank, tp_size
 
 
 class VocabParallelEmbedding(nn.Module):
-    def __init__(self, vocab_size: int, dim: int):
+    def __init__(self, vocab_size, dim: int):
         super().__init__()
         self.vocab_size = vocab_size
         self.part = -(-vocab_size // tp_size())

@@ -77,17 +77,17 @@ class ColumnParallelLinear(nn.Module):
     """y = x W^T with W's rows (output features) split across ranks; output stays sharded."""
     lora_a = lora_b = None  # with enable_lora: the adapter slots (layers/lora_slots.py)
     gemv_rows = 2           # the model's gemv_max_rows (models/decoder.py sets it)
+    part_starts = (0,)      # where each fused part's outputs start on this rank
 
     def __init__(self, in_features: int, out_features: int, bias=False):
         super().__init__()
-        self.part_starts = (0,)  # where each fused part's outputs start on this rank
         assert out_features % tp_size() == 0, \
             f"{out_features} output features don't split over {tp_size()} ranks"
         rows = out_features // tp_size()
         self.weight = parameter(torch.empty(rows, in_features), self.weight_loader)
         self.bias = parameter(torch.empty(rows), self.weight_loader) if bias else None
 
-    def shard_range(self, shard_id) -> tuple[int, int, int]:
+    def shard_range(self, shard_id):
         """(offset in the local param, rows to take, first row in the checkpoint tensor)."""
         rows = self.weight.shape[0]
         return 0, rows, tp_rank() * rows
@@ -116,7 +116,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.part_starts = tuple(sum(output_sizes[:i]) // tp_size()
                                  for i in range(len(output_sizes)))
 
-    def shard_range(self, shard_id: int) -> tuple[int, int, int]:
+    def shard_range(self, shard_id: int):
         rows = self.output_sizes[shard_id] // tp_size()
         return self.part_starts[shard_id], rows, tp_rank() * rows
 
@@ -125,7 +125,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     """Fused Q, K, V projection. Query heads split evenly; KV heads split too, or are replicated
     when there are fewer KV heads than ranks (each rank then keeps the one its queries use)."""
 
-    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int,
+    def __init__(self, hidden: int, head_dim: int, num_heads, num_kv_heads,
                  bias=False):
         tp = tp_size()
         assert num_heads % tp == 0, f"{num_heads} attention heads don't split over {tp} ranks"
@@ -140,7 +140,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         kv = self.num_kv_heads * head_dim
         self.part_starts = (0, q, q + kv)
 
-    def shard_range(self, shard_id: str) -> tuple[int, int, int]:
+    def shard_range(self, shard_id: str):
         q = self.num_heads * self.head_dim
         kv = self.num_kv_heads * self.head_dim
         if shard_id == "q":

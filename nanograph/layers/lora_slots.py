@@ -50,15 +50,15 @@ from nanograph.utils.context import get_step_metadata
 RANK_BUCKETS = (8, 16, 32, 64)
 
 
-def rank_buckets(max_rank: int) -> list[int]:
+def rank_buckets(max_rank) -> list[int]:
     return [b for b in RANK_BUCKETS if b < max_rank] + [max_rank]
 
 
-def lora_targets(model) -> list:
+def lora_targets(model):
     return [m for m in model.modules() if hasattr(m, "load_lora")]
 
 
-def add_lora_buffers(model, max_loras: int, max_rank: int):
+def add_lora_buffers(model, max_loras, max_rank):
     """The slots of every target layer; a producer's lora_a also has room for its fold, after its own parts."""
     folds = {producer: [consumer] for producer, consumer, _ in model.lora_folds()}
     for layer in lora_targets(model):
@@ -89,7 +89,7 @@ def lora_active(layer):
     return getattr(layer, "lora_a", None) is not None and get_step_metadata().lora_rank > 0
 
 
-def lora_inputs(x: torch.Tensor | DeferredNorm, layer, residual=None) -> tuple | None:
+def lora_inputs(x: torch.Tensor | DeferredNorm, layer, residual=None):
     """CUDA: the first half of each row's delta, h = x A^T of the row's adapter (kernels/bgmv.py's
     shrink), with what the second half needs: (h, lora_b, slots, part_starts). None when `layer`
     (None: not a LoRA target) adds no delta this step. On the GEMV path (`residual` given) a

@@ -53,7 +53,7 @@ def norm_and_rotate(q, k, positions, cos, sin, q_weight, k_weight, eps: float):
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, max_position: int, rope: dict):
+    def __init__(self, head_dim: int, max_position, rope: dict):
         super().__init__()
         freqs = torch.outer(torch.arange(max_position).float(), rope_frequencies(head_dim, rope))
         self.register_buffer("cos", freqs.cos(), persistent=False)

@@ -90,10 +90,9 @@ def sample(logits, temperatures, seeds, lengths,
     return sample_softmax(logits, temperatures, seeds, lengths)
 
 
-def top_logprobs(logits, sampled, n: int) -> tuple[torch.Tensor, ...]:
+def top_logprobs(logits, sampled, n: int):
     """From the raw logits (before temperature and the filters, as vLLM reports them): each row's
     log-probability of its sampled token [rows], and its n most likely tokens' [rows, n] with
     their ids."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
-    top_values, top_ids = logprobs.topk(n, dim=-1)
-    return logprobs.gather(-1, sampled[:, None])[:, 0], top_values, top_ids
+    return logprobs.gather(-1, sampled[:, None])[:, 0], *logprobs.topk(n, dim=-1)

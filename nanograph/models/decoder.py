@@ -57,7 +57,7 @@ class DecoderAttention(nn.Module):
         self.attn = Attention(self.head_dim ** -0.5, rope, self.q_norm, self.k_norm)
 
     def forward(self, positions, x, residual):
-        heads = self.qkv_proj(x).unflatten(-1, (self.num_heads + 2 * self.num_kv_heads, self.head_dim))
+        heads = self.qkv_proj(x).unflatten(-1, (-1, self.head_dim))
         q, k, v = heads.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         return self.o_proj(self.attn(positions, q, k, v).flatten(1), residual)
 
@@ -131,7 +131,7 @@ class DecoderForCausalLM(nn.Module):
     def forward(self, input_ids, positions):
         return self.model(input_ids, positions)
 
-    def lora_folds(self) -> list[tuple]:
+    def lora_folds(self):
         """(producer, consumer, norm): the consumer's input is norm(the producer's output + the
         residual stream). With one rank and no bias in the producer, the consumer's LoRA shrink
         folds into the producer's (layers/lora_slots.py)."""

@@ -52,7 +52,7 @@ def weight_files(model_dir: str) -> list[str]:
     return files
 
 
-def expected_tensors(model: nn.Module) -> dict[str, tuple[nn.Parameter, object, tuple]]:
+def expected_tensors(model: nn.Module):
     """Checkpoint name -> (the parameter it fills, shard id, the shape the model expects of it).
     A fused parameter expects one tensor per shard; a tied LM head is listed once, as the
     embedding."""
@@ -111,8 +111,8 @@ def load_weights(model: nn.Module, model_dir: str):
                         ("tensor(s) the model needs, missing from the checkpoint",
                          set(expected) - seen)):
         if names:  # the first few by name, and how many
-            raise ValueError(f"model {model_dir!r}: {len(names)} {what}: "
-                             + ", ".join(sorted(names)[:5] + ["..."] * (len(names) > 5)))
+            first = sorted(names)[:5] + ["..."] * (len(names) > 5)
+            raise ValueError(f"model {model_dir!r}: {len(names)} {what}: {', '.join(first)}")
 
 
 @torch.no_grad()
