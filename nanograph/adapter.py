@@ -14,9 +14,9 @@ of its GPU slots (layers/lora_slots.py), which may happen again after it was evi
 """
 import json
 import math
-import os
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from safetensors import safe_open
@@ -41,7 +41,7 @@ class Adapter:
     scaling: float
 
 
-def module_shapes(hf) -> dict[str, tuple[int, int]]:
+def module_shapes(hf):
     """(out, in) features of each target module in the full (unsharded) model."""
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     q, kv, hidden, inter = hf.num_attention_heads * head_dim, hf.num_key_value_heads * head_dim, hf.hidden_size, \
@@ -50,17 +50,16 @@ def module_shapes(hf) -> dict[str, tuple[int, int]]:
             "gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}
 
 
-def read_adapter(request: LoRARequest, hf, max_rank: int, where: str = "") -> Adapter:
+def read_adapter(request: LoRARequest, hf, max_rank, where="") -> Adapter:
     """Check a PEFT adapter directory against the model (config and tensor shapes); ValueError if
     anything is wrong, naming the adapter (after `where`, e.g. the request)."""
     def fail(why: str):
         raise ValueError(f"{where}LoRA adapter {request.name!r} ({request.path}): {why}")
-    files = [os.path.join(request.path, f) for f in ("adapter_config.json", "adapter_model.safetensors")]
-    for file in files:
-        if not os.path.isfile(file):
-            fail(f"{os.path.basename(file)} not found")
-    with open(files[0]) as f:
-        cfg = json.load(f)
+    folder = Path(request.path)
+    for file in ("adapter_config.json", "adapter_model.safetensors"):
+        if not (folder / file).is_file():
+            fail(f"{file} not found")
+    cfg = json.loads((folder / "adapter_config.json").read_text())
     if cfg.get("peft_type", "LORA") != "LORA" or cfg.get("bias", "none") != "none":
         fail(f"only plain LoRA without bias is supported (peft_type {cfg.get('peft_type')}, bias {cfg.get('bias')})")
     if any(cfg.get(key) for key in UNSUPPORTED):
@@ -71,7 +70,7 @@ def read_adapter(request: LoRARequest, hf, max_rank: int, where: str = "") -> Ad
     if not 1 <= rank <= max_rank:
         fail(f"rank {rank} is above max_lora_rank={max_rank}")
     shapes, pairs = module_shapes(hf), set()
-    with safe_open(files[1], framework="pt") as f:
+    with safe_open(str(folder / "adapter_model.safetensors"), framework="pt") as f:
         for name in f.keys():
             match = TENSOR_NAME.fullmatch(name)
             if not match or match[3] not in TARGETS or int(match[2]) >= hf.num_hidden_layers:
@@ -80,7 +79,7 @@ def read_adapter(request: LoRARequest, hf, max_rank: int, where: str = "") -> Ad
             want = (rank, inp) if match[4] == "A" else (out, rank)
             if tuple(f.get_slice(name).get_shape()) != want:
                 fail(f"tensor {name} has shape {tuple(f.get_slice(name).get_shape())}, expected {want} (rank {rank})")
-            pairs.add((name[:-len("A.weight")], match[4]))
+            pairs.add((match[1], match[4]))  # (module, A or B)
     if not pairs or len({p for p, _ in pairs}) * 2 != len(pairs):
         fail("every targeted module needs both lora_A and lora_B, and at least one module")
     return Adapter(request, rank, cfg["lora_alpha"] / (math.sqrt(rank) if cfg.get("use_rslora") else rank))
@@ -89,7 +88,8 @@ def read_adapter(request: LoRARequest, hf, max_rank: int, where: str = "") -> Ad
 def adapter_weights(adapter: Adapter):
     """(module path, e.g. model.layers.3.self_attn.q_proj, A [r, in], scaling * B [out, r]) for each
     targeted module."""
-    with safe_open(os.path.join(adapter.request.path, "adapter_model.safetensors"), framework="pt") as f:
+    weights = Path(adapter.request.path, "adapter_model.safetensors")
+    with safe_open(str(weights), framework="pt") as f:
         for name in f.keys():
             match = TENSOR_NAME.fullmatch(name)
             if match[4] == "A":

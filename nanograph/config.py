@@ -4,8 +4,8 @@ The defaults follow vLLM / nano-vllm. Everything derived from them (device, dtyp
 config, the effective max_model_len) is computed here too, so the rest of the engine reads
 plain, checked values.
 """
-import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from transformers import AutoConfig
@@ -46,31 +46,33 @@ class Config:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         bs = self.kvcache_block_size
-        if bs < 16 or bs > 256 or bs & (bs - 1):
+        if not 16 <= bs <= 256 or bs & (bs - 1):
             raise ValueError(f"kvcache_block_size must be a power of two in [16, 256], got {bs}")
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_num_mixed_tokens",
                      "tensor_parallel_size", "max_loras", "max_lora_rank", "num_kvcache_blocks"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.attention_backend == "flash_attn" and bs != 256:
             raise ValueError(f"attention_backend='flash_attn' needs kvcache_block_size=256, got {bs}")
-        if self.cuda_graph_sizes is not None and (not self.cuda_graph_sizes or min(self.cuda_graph_sizes) < 1):
+        if self.cuda_graph_sizes is not None and min(self.cuda_graph_sizes, default=0) < 1:
             raise ValueError(f"cuda_graph_sizes must be a non-empty list of sizes >= 1, got {self.cuda_graph_sizes}")
+        cuda = self.device.startswith("cuda")
         if self.attention_backend == "auto":  # triton measured at least as fast as flash_attn (layers/attention.py)
-            self.attention_backend = "triton" if self.device.startswith("cuda") else "torch"
+            self.attention_backend = "triton" if cuda else "torch"
         self.max_num_mixed_tokens = min(self.max_num_mixed_tokens, self.max_num_batched_tokens)
         if self.overlap_scheduling is None:
-            self.overlap_scheduling = self.device.startswith("cuda")
+            self.overlap_scheduling = cuda
         self.model_dir = resolve_model_dir(self.model, weights=self.load_format != "dummy")
-        if not os.path.exists(os.path.join(self.model_dir, "config.json")):
+        if not Path(self.model_dir, "config.json").exists():
             raise ValueError(f"model {self.model!r}: no config.json in {self.model_dir}")
         self.hf_config = AutoConfig.from_pretrained(self.model_dir)
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
         self.torch_dtype = self._resolve_dtype()
 
-    def _resolve_dtype(self) -> torch.dtype:
+    def _resolve_dtype(self):
         """auto: the checkpoint's half type (else bf16) on CUDA, float32 on the CPU."""
         if self.dtype == "auto":
             dtype = getattr(self.hf_config, "dtype", None) or getattr(self.hf_config, "torch_dtype", None)

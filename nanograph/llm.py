@@ -33,10 +33,10 @@ On the CPU the "device" is the same cores as the host, so there is nothing to ov
 off there by default.
 """
 import contextlib
-import os
 import threading
 from collections import deque
 from itertools import count
+from pathlib import Path
 
 import torch
 import xxhash
@@ -67,7 +67,7 @@ class LLM(contextlib.AbstractContextManager):  # `with LLM(...) as llm:` closes 
             raise RuntimeError("a torch.distributed process group is already open here: close the other LLM first")
         self.tokenizer = None
         tokenizer_files = ("tokenizer.json", "tokenizer_config.json")
-        if any(os.path.exists(os.path.join(config.model_dir, f)) for f in tokenizer_files):
+        if any(Path(config.model_dir, f).exists() for f in tokenizer_files):
             self.tokenizer = AutoTokenizer.from_pretrained(config.model_dir)
         runner_class = TensorParallelRunner if config.tensor_parallel_size > 1 else ModelRunner
         self.runner = runner_class(config)
@@ -91,7 +91,7 @@ class LLM(contextlib.AbstractContextManager):  # `with LLM(...) as llm:` closes 
     def _eos_ids(self) -> frozenset[int]:
         """From the model's config, its generation config and its tokenizer, whichever exist."""
         model_dir = self.config.model_dir
-        gen = os.path.exists(os.path.join(model_dir, "generation_config.json")) and \
+        gen = Path(model_dir, "generation_config.json").exists() and \
             GenerationConfig.from_pretrained(model_dir)
         values = (self.config.hf_config.eos_token_id, gen and gen.eos_token_id,
                   self.tokenizer and self.tokenizer.eos_token_id)
@@ -139,21 +139,21 @@ class LLM(contextlib.AbstractContextManager):  # `with LLM(...) as llm:` closes 
             raise ValueError(f"{name}: sampling params must be a SamplingParams, got {type(params).__name__}")
         if any(t >= vocab for t in params.stop_token_ids or ()):
             raise ValueError(f"{name}: stop_token_ids {params.stop_token_ids} outside the vocabulary [0, {vocab})")
-        if params.logprobs is not None and params.logprobs > vocab:
+        if (params.logprobs or 0) > vocab:
             raise ValueError(f"{name}: logprobs={params.logprobs} is above the vocabulary size {vocab}")
         if params.n > cfg.max_num_seqs:
             raise ValueError(f"{name}: n={params.n} completions but max_num_seqs={cfg.max_num_seqs}")
         if params.stop and self.tokenizer is None:
             raise ValueError(f"{name}: stop strings need a tokenizer, and model {cfg.model!r} has none")
-        block_size, num_blocks = cfg.kvcache_block_size, self.runner.num_kv_blocks
+        block_size = cfg.kvcache_block_size
         longest = min(len(prompt) + params.max_tokens, cfg.max_model_len)
-        # one sequence at its longest, and the prompt with a block of its own for each other
-        # completion (a fork's copy of the partial last block)
+        # one sequence at its longest, and the prompt's full blocks with a partial last block for
+        # each completion (a fork copies the first one's)
         partial = len(prompt) % block_size > 0
-        blocks = max(-(-longest // block_size), -(-len(prompt) // block_size) + (params.n - 1) * partial)
-        if blocks > num_blocks:
+        blocks = max(-(-longest // block_size), len(prompt) // block_size + params.n * partial)
+        if blocks > self.runner.num_kv_blocks:
             raise ValueError(f"{name}: needs up to {blocks} KV blocks ({longest} tokens, n={params.n}) "
-                             f"but the cache has {num_blocks}; it could never run")
+                             f"but the cache has {self.runner.num_kv_blocks}; it could never run")
         return list(prompt)
 
     def _adapter(self, name: str, request: LoRARequest | None) -> Adapter | None:
@@ -169,7 +169,7 @@ class LLM(contextlib.AbstractContextManager):  # `with LLM(...) as llm:` closes 
         return self.adapters[request]
 
     def _make_request(self, name: str, prompt, params: SamplingParams | None,
-                      lora_request: LoRARequest | None) -> Request:
+                      lora_request: LoRARequest | None):
         """A validated request and its n sequences (nothing queued yet); `name` for errors."""
         params = SamplingParams() if params is None else params
         prompt = self._validate(name, prompt, params)
@@ -185,8 +185,9 @@ class LLM(contextlib.AbstractContextManager):  # `with LLM(...) as llm:` closes 
                                  request_id))
         seqs[0].forks = seqs[1:]  # computed once by the first, then forked (scheduler.py)
         self.scheduler.waiting.append(seqs[0])
-        self.requests[request_id] = Request(request_id, prompt, seqs, self.tokenizer)
-        return self.requests[request_id]
+        request = Request(request_id, prompt, seqs, self.tokenizer)
+        self.requests[request_id] = request
+        return request
 
     def add_request(self, prompt, sampling_params: SamplingParams | None = None,
                     lora_request: LoRARequest | None = None) -> int:
@@ -206,7 +207,7 @@ class LLM(contextlib.AbstractContextManager):  # `with LLM(...) as llm:` closes 
 
     def chat_prompt(self, conversation: list[dict], chat_template_kwargs: dict | None = None) -> list[int]:
         """A conversation's token ids: the tokenizer's chat template, with the assistant's turn opened."""
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+        if not getattr(self.tokenizer, "chat_template", None):  # (no tokenizer: None has none)
             raise ValueError(f"model {self.config.model!r} has no chat template in its tokenizer: use generate")
         text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True,
                                                   **(chat_template_kwargs or {}))
@@ -218,7 +219,7 @@ class LLM(contextlib.AbstractContextManager):  # `with LLM(...) as llm:` closes 
         with self.driving():
             return [request.step_output() for request in self._step()]
 
-    def _step(self) -> list[Request]:
+    def _step(self):
         """Launch the next step, collect the oldest in flight; the requests that changed (and
         those aborted since the last step)."""
         changed = {i: r for i, r in self.requests.items() if r.finished}
@@ -226,7 +227,7 @@ class LLM(contextlib.AbstractContextManager):  # `with LLM(...) as llm:` closes 
             batch = self.scheduler.schedule()
             if batch is not None:
                 self.in_flight.append(self.runner.launch(batch))
-            lookahead = 1 if self.config.overlap_scheduling else 0
+            lookahead = int(self.config.overlap_scheduling)  # steps left in flight after a launch
             if len(self.in_flight) > lookahead or (batch is None and self.in_flight):
                 launched = self.in_flight.popleft()
                 for seq in self.scheduler.update(launched.batch, *self.runner.collect(launched)):
@@ -257,14 +258,16 @@ class LLM(contextlib.AbstractContextManager):  # `with LLM(...) as llm:` closes 
                                    "step them to the end or abort them before generate")
             if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
                 raise ValueError("prompts must be a list of prompts (str or list of token ids)")
-            params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
-            loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
-            for name, values in (("sampling params", params), ("lora requests", loras)):
+            per_prompt = []  # the sampling params and the lora requests: one for all, or one each
+            for name, value in (("sampling params", sampling_params),
+                                ("lora requests", lora_request)):
+                values = value if isinstance(value, list) else [value] * len(prompts)
                 if len(values) != len(prompts):
                     raise ValueError(f"got {len(prompts)} prompts but {len(values)} {name}")
+                per_prompt.append(values)
             try:  # every request is checked before any runs
                 requests = [self._make_request(f"request {i}", *args)
-                            for i, args in enumerate(zip(prompts, params, loras))]
+                            for i, args in enumerate(zip(prompts, *per_prompt))]
             except ValueError:
                 self.scheduler.waiting.clear()
                 self.requests.clear()

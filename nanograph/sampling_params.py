@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from numbers import Integral
 
 
-def is_int(value) -> bool:
+def is_int(value):
     # True is an int to Python, not a count
     return isinstance(value, Integral) and not isinstance(value, bool)
 

@@ -19,27 +19,28 @@ and are reused by hits until they are handed out again. The queue is LRU: blocks
 its head and freed to its tail, a sequence's last blocks first, so shared prefixes live longest.
 """
 from collections import deque
+from dataclasses import dataclass, field
 
 import xxhash
 
 from nanograph.engine.sequence import Sequence
 
 
-def chain_hash(token_ids: list[int], prefix_hash: int) -> int:
-    data = prefix_hash.to_bytes(8, "little") + b"".join(t.to_bytes(4, "little") for t in token_ids)
-    return xxhash.xxh64_intdigest(data)
+def chain_hash(token_ids: list[int], prefix_hash: int):
+    return xxhash.xxh64_intdigest(prefix_hash.to_bytes(8, "little")
+                                  + b"".join(t.to_bytes(4, "little") for t in token_ids))
 
 
+@dataclass
 class Block:
-    def __init__(self, block_id: int):
-        self.block_id = block_id
-        self.ref_count = 0
-        self.hash = -1            # -1: not registered in the prefix cache (xxh64 digests are >= 0)
-        self.token_ids: list[int] = []
+    block_id: int
+    ref_count: int = 0
+    hash: int = -1  # -1: not registered in the prefix cache (xxh64 digests are >= 0)
+    token_ids: list[int] = field(default_factory=list)
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool):
+    def __init__(self, num_blocks, block_size, enable_prefix_caching):
         self.block_size, self.enable_prefix_caching = block_size, enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_block_ids: deque[int] = deque(range(num_blocks))
@@ -47,12 +48,12 @@ class BlockManager:
         self.cache_hit_tokens = 0
 
     @property
-    def num_free_blocks(self) -> int:
+    def num_free_blocks(self):
         return len(self.free_block_ids)
 
-    def _take_free_block(self) -> int:
+    def _take_free_block(self):
         block = self.blocks[self.free_block_ids.popleft()]
-        if block.hash != -1 and self.hash_to_block_id.get(block.hash) == block.block_id:
+        if self.hash_to_block_id.get(block.hash) == block.block_id:
             del self.hash_to_block_id[block.hash]  # evict its cached contents
         block.hash, block.token_ids, block.ref_count = -1, [], 1
         return block.block_id
@@ -88,7 +89,7 @@ class BlockManager:
         for child in seq.forks if seq.num_prompt_tokens % self.block_size else ():
             child.block_table = [self._take_free_block()]
 
-    def register_computed_blocks(self, seq: Sequence, num_computed: int):
+    def register_computed_blocks(self, seq: Sequence, num_computed):
         """Enter the blocks of `seq` that its first `num_computed` tokens fill into the prefix cache.
         (The caller passes the count of a step that has run: `seq.num_computed_tokens` already
         counts steps still in flight, whose placeholder tokens cannot be hashed.)"""
@@ -111,19 +112,19 @@ class BlockManager:
                 self.free_block_ids.append(block_id)
         seq.block_table, seq.num_hashed_blocks = [], 0
 
-    def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None:
+    def fork(self, parent: Sequence, child: Sequence):
         """Share the parent's full prompt blocks with `child` (reference counts). Returns the
-        (parent's, child's) partial last block, whose K/V the caller must copy, or None."""
+        copies the caller must make: [(parent's, child's) partial last block], or none."""
         full = parent.num_prompt_tokens // self.block_size
         for block_id in parent.block_table[:full]:
             self.blocks[block_id].ref_count += 1
         child.block_table = parent.block_table[:full] + child.block_table  # + its reserved block
         child.num_hashed_blocks = min(parent.num_hashed_blocks, full)
         if len(child.block_table) > full:
-            return parent.block_table[full], child.block_table[full]
-        return None
+            return [(parent.block_table[full], child.block_table[full])]
+        return []
 
-    def append_slot(self, seq: Sequence) -> bool:
+    def append_slot(self, seq: Sequence):
         """Make room for the token decode writes next (token len-1): a new block when that token
         starts one. False when it does and no block is free."""
         if len(seq.block_table) * self.block_size < len(seq):

@@ -65,7 +65,7 @@ MIXED_PREFILL_CHUNKS = 8  # prefill chunks a mixed graph holds
 MIN_PREFILL_BUCKET = 64   # the smallest prefill-token bucket
 
 
-def bucket_ladder(max_bs: int) -> list[int]:
+def bucket_ladder(max_bs):
     """1, 2, 4, 8, then sizes shrinking geometrically by 4/5 down from max_bs, multiples of 8."""
     sizes, s = [s for s in (1, 2, 4, 8) if s < max_bs], max_bs
     while s > 8:
@@ -74,12 +74,12 @@ def bucket_ladder(max_bs: int) -> list[int]:
     return sorted(set(sizes + [max_bs]))
 
 
-def find_bucket(ladder: list[int], n: int) -> int | None:
+def find_bucket(ladder: list[int], n: int):
     """Smallest bucket that holds n; None when n is above the ladder (run eager)."""
     return next((bs for bs in ladder if bs >= n), None)
 
 
-def mixed_grid(max_bs: int, budget: int) -> list[tuple[int, int]]:
+def mixed_grid(max_bs, budget: int):
     """(decode bucket, prefill bucket) pairs that a step of at most `budget` tokens, at least one
     of them decoding and one prefilling, can need; both ladders powers of two (decode rows cost
     little next to prefill tokens, so the coarser ladder pads them for half the graphs)."""
@@ -94,7 +94,7 @@ def mixed_grid(max_bs: int, budget: int) -> list[tuple[int, int]]:
     return grid
 
 
-def decode_shape(d: int, rank: int = 0) -> StepShape:
+def decode_shape(d: int, rank=0) -> StepShape:
     return StepShape(decodes=d, rows=d, lora_rank=rank)
 
 
@@ -112,18 +112,19 @@ class GraphStats:
     real_rows: int = 0      # decode rows of real sequences over all decode replays
     real_tokens: int = 0    # tokens of real sequences over all mixed replays
 
-    def as_dict(self) -> dict:
+    def as_dict(self):
         decode, mixed = Counter(), Counter()
         for shape, n in self.replays.items():
             (mixed if shape.prefill_tokens else decode)[shape.tokens] += n
         lora = {f"{s.decodes}x{s.lora_rank}": n for s, n in self.replays.items() if s.lora_rank}
         figures = {}
-        for kind, replays, real in (("decode", decode, self.real_rows), ("mixed", mixed, self.real_tokens)):
-            prefix = "" if kind == "decode" else "mixed_"
+        for kind, prefix, replays, real in (("decode", "", decode, self.real_rows),
+                                            ("mixed", "mixed_", mixed, self.real_tokens)):
             count = replays.total()
-            figures |= {f"{kind}_steps": count + self.eager[kind],
+            steps = count + self.eager[kind]
+            figures |= {f"{kind}_steps": steps,
                         f"{prefix}graph_replays": count,
-                        f"{prefix}graph_hit_rate": count / max(1, count + self.eager[kind]),
+                        f"{prefix}graph_hit_rate": count / max(1, steps),
                         f"{prefix}padding_waste": (sum(t * n for t, n in replays.items()) - real) / max(1, real)}
         return {**figures,
                 "replays_per_bucket": dict(sorted(decode.items())),
@@ -141,12 +142,11 @@ class CudaGraphRunner:
         self.grid = []
         if config.attention_backend == "triton":
             self.grid = mixed_grid(self.ladder[-1], config.max_num_mixed_tokens)
-        self.mixed_ladder = sorted({d for d, _ in self.grid})
         self.stats = GraphStats()
         self.graphs: dict[StepShape, torch.cuda.CUDAGraph] = {}
         self.capture(forward, buffers)
 
-    def stats_dict(self) -> dict:
+    def stats_dict(self):
         return {"cuda_graph_sizes": self.ladder,
                 "mixed_graph_grid": self.grid,
                 "lora_rank_buckets": self.ranks[1:],
@@ -174,17 +174,18 @@ class CudaGraphRunner:
                 forward(shape)
             self.graphs[shape] = graph
             now_reserved, now_allocated = torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
-            log.debug("graph %d/%d: %d decode rows + %d prefill tokens, LoRA rank %d | pool reserved "
-                      "%.1f MiB (+%.1f), allocated %.1f MiB (+%.1f)", i + 1, len(shapes), shape.decodes,
-                      shape.prefill_tokens, shape.lora_rank, now_reserved / 2**20,
-                      (now_reserved - reserved) / 2**20, now_allocated / 2**20,
-                      (now_allocated - allocated) / 2**20)
+            log.debug(f"graph {i + 1}/{len(shapes)}: {shape.decodes} decode rows + "
+                      f"{shape.prefill_tokens} prefill tokens, LoRA rank {shape.lora_rank} | pool "
+                      f"reserved {now_reserved / 2**20:.1f} MiB "
+                      f"(+{(now_reserved - reserved) / 2**20:.1f}), "
+                      f"allocated {now_allocated / 2**20:.1f} MiB "
+                      f"(+{(now_allocated - allocated) / 2**20:.1f})")
             reserved, allocated = now_reserved, now_allocated
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - start
         self.graph_memory_bytes = torch.cuda.memory_reserved() - reserved_before
-        log.info("captured %d CUDA graphs (%d mixed) in %.1f s, %.1f MiB", len(shapes), len(self.grid),
-                 self.capture_seconds, self.graph_memory_bytes / 2**20)
+        log.info(f"captured {len(shapes)} CUDA graphs ({len(self.grid)} mixed) in "
+                 f"{self.capture_seconds:.1f} s, {self.graph_memory_bytes / 2**20:.1f} MiB")
 
     def close(self):
         """Destroy the graphs now, whoever still holds this runner. NCCL counts every graph that
@@ -192,26 +193,28 @@ class CudaGraphRunner:
         reach zero: a graph left alive makes the tensor-parallel shutdown hang."""
         self.graphs.clear()
 
-    def lookup(self, step: StepInput) -> StepShape | None:
-        """The shape of the smallest graph that holds `step`; None (counted) when it runs eager."""
-        n, prefill_tokens = step.num_decodes, len(step.input_ids) - step.num_decodes
-        shape = None
-        if prefill_tokens == 0 and (d := find_bucket(self.ladder, n)) is not None:
-            shape = decode_shape(d, step.lora_rank)
-        elif n and not step.lora_rank and len(step.context_lens) - n <= MIXED_PREFILL_CHUNKS:
-            d = find_bucket(self.mixed_ladder, n)
-            p = find_bucket([p for dd, p in self.grid if dd == d], prefill_tokens)
-            if p is not None and len(step.temperatures) <= d + MIXED_PREFILL_CHUNKS:
-                shape = mixed_shape(d, p)
-        if shape is None:
-            kind = "prefill" if n == 0 else "decode" if prefill_tokens == 0 else "mixed"
+    def lookup(self, step: StepShape):
+        """The smallest graph that holds a step of (exact) shape `step`; None (counted) when it
+        runs eager."""
+        graph = None
+        if not step.prefill_tokens and (d := find_bucket(self.ladder, step.decodes)) is not None:
+            graph = decode_shape(d, step.lora_rank)
+        elif step.decodes and not step.lora_rank and step.chunks <= MIXED_PREFILL_CHUNKS:
+            # the grid runs by decode bucket, then prefill bucket, and a larger decode bucket has
+            # only the smaller prefill buckets: the first pair that holds the step is the smallest
+            fits = [(d, p) for d, p in self.grid if d >= step.decodes and p >= step.prefill_tokens]
+            if fits and step.rows <= fits[0][0] + MIXED_PREFILL_CHUNKS:
+                graph = mixed_shape(*fits[0])
+        if graph is None:
+            kind = "decode" if not step.prefill_tokens else "mixed" if step.decodes else "prefill"
             self.stats.eager[kind] += 1
-        return shape
+        return graph
 
-    def replay(self, shape: StepShape, step: StepInput):
-        self.graphs[shape].replay()
-        self.stats.replays[shape] += 1
-        if shape.prefill_tokens:
-            self.stats.real_tokens += len(step.input_ids)
+    def replay(self, graph: StepShape, step: StepShape):
+        """Replay `graph` for a step of (exact) shape `step`."""
+        self.graphs[graph].replay()
+        self.stats.replays[graph] += 1
+        if graph.prefill_tokens:
+            self.stats.real_tokens += step.tokens
         else:
-            self.stats.real_rows += step.num_decodes
+            self.stats.real_rows += step.decodes

@@ -43,14 +43,15 @@ CPU_KV_CACHE_BYTES = 1 << 30
 class InFlight:
     """A launched step. Its host copies are complete once `done` has passed."""
     batch: Batch
-    tokens: torch.Tensor               # [rows] sampled ids
+    # the sampled ids [rows]; with logprobs, then the sampled token's [rows] and the top values
+    # and ids [rows, N]
+    outputs: list[torch.Tensor]
     done: torch.cuda.Event | None      # None on the CPU, where the copies are synchronous
     num_logprobs: list[int] | None = None   # per row (StepInput)
-    logprobs: tuple | None = None      # (sampled token's [rows], top values, top ids [rows, N])
 
 
 class ModelRunner:
-    def __init__(self, config: Config, rank: int = 0):
+    def __init__(self, config: Config, rank=0):
         self.config = config
         self.device = torch.device(config.device)
         if self.device.type == "cuda" and config.tensor_parallel_size > 1:
@@ -85,12 +86,12 @@ class ModelRunner:
         self.graphs = None  # "no graphs" has one spelling: this stays None (run works before capture)
         self.num_kv_blocks = self.allocate_kv_cache()
         # the torch backend (the oracle) reads lengths on the host: it cannot be captured
-        capturable = config.attention_backend != "torch"
-        if self.device.type == "cuda" and capturable and not config.enforce_eager and config.cuda_graph_max_bs != 0:
+        capturable = self.device.type == "cuda" and config.attention_backend != "torch"
+        if capturable and not config.enforce_eager and config.cuda_graph_max_bs != 0:
             self.graphs = CudaGraphRunner(config, self.forward, self.buffers)
 
     # ---- KV cache ------------------------------------------------------------------------
-    def allocate_kv_cache(self) -> int:
+    def allocate_kv_cache(self):
         block_bytes = 2 * len(self.attention_layers) * self.config.torch_dtype.itemsize * math.prod(self.kv_block_shape)
         num_blocks = self.config.num_kvcache_blocks
         if num_blocks is None and self.device.type == "cuda":
@@ -99,7 +100,7 @@ class ModelRunner:
             budget = total * self.config.gpu_memory_utilization - (total - free) - peak
             num_blocks = int(budget // block_bytes)
         elif num_blocks is None:
-            needed = self.config.max_num_seqs * -(-self.config.max_model_len // self.block_size)
+            needed = self.config.max_num_seqs * self.buffers.max_blocks
             num_blocks = min(needed, CPU_KV_CACHE_BYTES // block_bytes)
         if dist.is_initialized():  # tensor parallel: the ranks share one block table, so the smallest cache wins
             t = torch.tensor([num_blocks], device=self.device)
@@ -110,13 +111,13 @@ class ModelRunner:
         self.bind_kv_cache(num_blocks)
         return num_blocks
 
-    def bind_kv_cache(self, num_blocks: int):
+    def bind_kv_cache(self, num_blocks):
         self.kv_cache = torch.zeros(2, len(self.attention_layers), num_blocks, *self.kv_block_shape,
                                     dtype=self.config.torch_dtype, device=self.device)
         for i, attn in enumerate(self.attention_layers):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
 
-    def measure_activation_peak(self) -> int:
+    def measure_activation_peak(self):
         """Run the largest prefill the scheduler can send once and return the activation memory it
         peaked at: the shape decides the memory, so its rows are all padding (no K/V written)."""
         tokens = self.config.max_num_batched_tokens
@@ -135,7 +136,7 @@ class ModelRunner:
         return peak
 
     # ---- one step --------------------------------------------------------------------------
-    def upload(self, data: list, dtype: torch.dtype) -> torch.Tensor:
+    def upload(self, data, dtype: torch.dtype):
         """A host list on the device without waiting for the GPU (pinned memory, non-blocking copy)."""
         pinned = torch.tensor(data, dtype=dtype, pin_memory=self.device.type == "cuda")
         return pinned.to(self.device, non_blocking=True)
@@ -159,25 +160,26 @@ class ModelRunner:
         if shape.prefill_tokens:  # only the tokens that sample go through the LM head
             hidden = hidden[inputs["sample_indices"]]
         rows = shape.rows
-        self.logits[:rows] = self.model.compute_logits(hidden)
+        self.logits[:rows] = self.model.lm_head(hidden)
         self.sampled[:rows] = sample_softmax(self.logits[:rows], inputs["temperatures"], inputs["seeds"],
                                              inputs["sample_lens"])
         self.tokens.put(self.sampled[:rows])
 
     @torch.inference_mode()
-    def run(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, step: StepInput):
         """The logits [rows, vocab] and sampled ids [rows] of the step's sampling rows; the ids
         also go into the token table. Every tensor-parallel rank runs this and samples the same ids."""
         for slot, adapter in step.lora_loads:
             load_adapter(self.model, slot, adapter)
-        graph = self.graphs.lookup(step) if self.graphs is not None else None
-        shape = graph or step.exact_shape()
+        exact = step.exact_shape()
+        graph = self.graphs.lookup(exact) if self.graphs is not None else None
+        shape = graph or exact
         self.buffers.fill(step, shape)
         if graph is not None:
-            self.graphs.replay(graph, step)
+            self.graphs.replay(graph, exact)
         else:
             self.forward(shape)
-        rows = len(step.temperatures)
+        rows = exact.rows
         logits, sampled = self.logits[:rows], self.sampled[:rows]
         if step.top_ks is not None or step.banned:  # the filters the forward leaves out: again
             inputs = self.buffers.views(shape)
@@ -187,7 +189,7 @@ class ModelRunner:
             if step.banned:
                 banned = tuple(self.upload(step.banned, torch.int64).T)
             sampled = sample(logits, inputs["temperatures"][:rows], inputs["seeds"][:rows],
-                             inputs["sample_lens"][:rows], top=top, banned=banned)
+                             inputs["sample_lens"][:rows], top, banned)
             self.tokens.put(sampled)
         if step.block_copies:  # forks' copies of their parent's partial block, once it is computed
             src, dst = self.upload(step.block_copies, torch.int64).T
@@ -198,26 +200,25 @@ class ModelRunner:
     def launch(self, batch: Batch) -> InFlight:
         step = build_step(batch, self.block_size)
         logits, sampled = self.run(step)
-        logprobs = None
+        outputs = [sampled]
         if step.num_logprobs is not None:
-            logprobs = top_logprobs(logits, sampled, max(step.num_logprobs))
-            logprobs = tuple(t.to("cpu", non_blocking=True) for t in logprobs)
-        # the sampled ids, from the GPU into pinned memory without waiting
-        tokens = sampled.to("cpu", non_blocking=True, copy=True)  # (a view of the buffers on the CPU)
+            outputs += top_logprobs(logits, sampled, max(step.num_logprobs))
+        # from the GPU into pinned memory without waiting (copies: on the CPU the ids are a view of
+        # the buffers)
+        outputs = [t.to("cpu", non_blocking=True, copy=True) for t in outputs]
         done = torch.cuda.current_stream().record_event() if self.device.type == "cuda" else None
-        return InFlight(batch, tokens, done, step.num_logprobs, logprobs)
+        return InFlight(batch, outputs, done, step.num_logprobs)
 
     @staticmethod
-    def collect(launched: InFlight) -> tuple[list[int], list[dict] | None]:
+    def collect(launched: InFlight):
         """The step's sampled ids and, when some row asked, each row's {token id: logprob}: its
         top N and the sampled token's (a row that did not ask gets the sampled token's alone)."""
         if launched.done is not None:
             launched.done.synchronize()
-        ids = launched.tokens.tolist()
-        if launched.logprobs is None:
+        ids, *logprobs = (t.tolist() for t in launched.outputs)
+        if not logprobs:
             return ids, None
-        chosen, values, top_ids = (t.tolist() for t in launched.logprobs)
-        rows = zip(ids, chosen, values, top_ids, launched.num_logprobs)
+        rows = zip(ids, *logprobs, launched.num_logprobs)  # id, its logprob, top values, top ids, N
         return ids, [dict(zip(i[:max(n, 0)], v)) | {t: c} for t, c, v, i, n in rows]
 
     def close(self):

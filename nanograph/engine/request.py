@@ -30,7 +30,7 @@ class Detokenizer:
         self.num_fed = 0  # completion tokens seen
         self.text = ""
 
-    def feed(self, token_ids: list[int]) -> str:
+    def feed(self, token_ids: list[int]):
         """Take the completion's new tokens; return the text they complete."""
         self.num_fed += len(token_ids)
         piece = self.stream.step(self.tokenizer, token_ids) or ""
@@ -38,7 +38,7 @@ class Detokenizer:
         return piece
 
 
-def find_stop(text: str, new_chars: int, stops: list[str]) -> tuple[int, str] | None:
+def find_stop(text: str, new_chars: int, stops: list[str]):
     """The earliest stop string in `text` that ends in its last `new_chars` characters:
     (where it starts, which one)."""
     found = None
@@ -60,15 +60,15 @@ class Request:
             self.detokenizers = [Detokenizer(tokenizer, prompt_token_ids, skip) for _ in seqs]
 
     @property
-    def finished(self) -> bool:
+    def finished(self):
         return all(seq.status == Status.FINISHED for seq in self.seqs)
 
-    def update_text(self, seq: Sequence) -> str | None:
+    def update_text(self, seq: Sequence):
         """Detokenize the completion's new tokens; the stop string they complete, if any."""
         if self.detokenizers is None:
             return None
         detokenizer = self.detokenizers[self.seqs.index(seq)]
-        tokens = output_token_ids(seq)
+        tokens = seq.completion_token_ids
         piece = detokenizer.feed(tokens[detokenizer.num_fed:])
         params = seq.params
         if not params.stop or not piece or len(tokens) < params.min_tokens:
@@ -80,7 +80,7 @@ class Request:
         detokenizer.text = detokenizer.text[:start + len(stop) * params.include_stop_str_in_output]
         return stop
 
-    def completion(self, i: int) -> dict:
+    def completion(self, i: int):
         seq = self.seqs[i]
         text = None
         if self.detokenizers is not None:
@@ -88,28 +88,20 @@ class Request:
             if seq.status != Status.FINISHED and seq.params.stop:  # hold back a possible stop's start
                 text = text[:max(0, len(text) - max(map(len, seq.params.stop)) + 1)]
         return {"text": text,
-                "token_ids": output_token_ids(seq),
+                "token_ids": seq.completion_token_ids,
                 "finish_reason": seq.finish_reason,
                 "stop_reason": seq.stop_reason,
                 "logprobs": seq.logprobs,
                 "cumulative_logprob": None if seq.logprobs is None else seq.cumulative_logprob}
 
-    def result(self) -> dict:
+    def result(self):
         """generate's dict: the first completion's keys at the top level, all n in `outputs`."""
         outputs = [self.completion(i) for i in range(len(self.seqs))]
         return {**outputs[0], "outputs": outputs}
 
-    def step_output(self) -> dict:
+    def step_output(self):
         """step()'s dict: the result so far, which request, whether it is finished."""
         return {"request_id": self.request_id,
                 "prompt_token_ids": self.prompt_token_ids,
                 **self.result(),
                 "finished": self.finished}
-
-
-def output_token_ids(seq: Sequence) -> list[int]:
-    """The completion's tokens the host has: without placeholders for tokens still in flight."""
-    tokens = seq.completion_token_ids
-    while tokens and tokens[-1] < 0:
-        tokens.pop()
-    return tokens

@@ -63,24 +63,23 @@ class Batch:
     num_decodes: int
     num_tokens: list[int]   # per sequence: tokens computed this step (1 in the decode part)
     starts: list[int] = field(default_factory=list)  # per sequence: num_computed_tokens before
-    rows: list[Sequence] = field(default_factory=list)  # who gets the token of each sampling row
-    row_sources: list[int] = field(default_factory=list)  # per row: the index in seqs it samples
+    # per sampling row: who gets its token, and the index in seqs of the sequence it samples
+    rows: list[tuple[Sequence, int]] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), after the step
     lora_slots: list[int] | None = None             # per sequence: adapter slot, -1 = none
     lora_rank: int = 0                              # rank bucket of the step's adapters, 0 = none
     lora_loads: list = field(default_factory=list)  # (slot, Adapter) to load before this step
 
     @property
-    def kind(self) -> str:
+    def kind(self):
         if self.num_decodes == len(self.seqs):
             return "decode"
         return "mixed" if self.num_decodes else "prefill"
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_num_mixed_tokens: int | None = None, max_model_len: int = 1 << 30,
-                 max_loras: int = 0, lora_ranks: tuple[int, ...] = ()):
+    def __init__(self, block_manager: BlockManager, max_num_seqs, max_num_batched_tokens,
+                 max_num_mixed_tokens=None, max_model_len=1 << 30, max_loras=0, lora_ranks=()):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -94,9 +93,9 @@ class Scheduler:
         self.steps = Counter()  # "decode" / "mixed" / "prefill" -> steps scheduled
         self.max_loras = max_loras
         self.lora_ranks = lora_ranks
-        self.slot_of: OrderedDict = OrderedDict()  # Adapter -> slot, least recently used first
+        self.slot_of = OrderedDict()  # Adapter -> slot, least recently used first
 
-    def schedule(self) -> Batch | None:
+    def schedule(self):
         """The next step (None: nothing can run until an in-flight step is collected)."""
         if self.prefill_first and (prefills := self.schedule_prefills(self.max_num_batched_tokens)):
             return self.account([], prefills)
@@ -105,11 +104,12 @@ class Scheduler:
         budget = self.max_num_mixed_tokens if decodes else self.max_num_batched_tokens
         prefills = []
         if not self.prefill_first:
+            # a step that preempted admits no new prompt
             admit = self.num_preemptions == preemptions
             prefills = self.schedule_prefills(budget - len(decodes), admit)
         return self.account(decodes, prefills) if decodes or prefills else None
 
-    def schedule_decodes(self) -> list[Sequence]:
+    def schedule_decodes(self):
         """Every running sequence, each with room for one more token (preempting for it)."""
         seqs = []
         while self.running:
@@ -124,15 +124,15 @@ class Scheduler:
         self.running.extend(seqs)
         return seqs
 
-    def schedule_prefills(self, budget: int, admit: bool = True) -> list[tuple[Sequence, int]]:
+    def schedule_prefills(self, budget: int, admit=True):
         """(sequence, chunk) pairs from the head of `waiting` within `budget` tokens; only the
         part-prefilled head, unless `admit`."""
         chunks = []
         while self.waiting and budget > 0:
             seq = self.waiting[0]
-            if not seq.block_table and not (admit and self.can_admit(seq)):
-                break
             if not seq.block_table:
+                if not (admit and self.can_admit(seq)):
+                    break
                 self.block_manager.allocate(seq)
             chunk = min(len(seq) - seq.num_computed_tokens, budget)
             budget -= chunk
@@ -145,7 +145,7 @@ class Scheduler:
             self.running.append(seq)
         return chunks
 
-    def can_admit(self, seq: Sequence) -> bool:
+    def can_admit(self, seq: Sequence):
         """Room for `seq` (and its forks): sequences, adapter slots, blocks."""
         if len(self.running) + 1 + len(seq.forks) > self.max_num_seqs:
             return False
@@ -154,7 +154,7 @@ class Scheduler:
         partial = seq.num_prompt_tokens % self.block_manager.block_size > 0
         return seq.num_blocks + len(seq.forks) * partial <= self.block_manager.num_free_blocks
 
-    def adapters_in_use(self, seqs) -> set:
+    def adapters_in_use(self, seqs):
         return {s.adapter for s in (*self.running, *seqs) if s.adapter}
 
     def assign_slots(self, batch: Batch):
@@ -173,7 +173,7 @@ class Scheduler:
         batch.lora_slots = [self.slot_of[s.adapter] if s.adapter else -1 for s in batch.seqs]
         batch.lora_rank = next(r for r in self.lora_ranks if r >= max(a.rank for a in adapters))
 
-    def account(self, decodes: list[Sequence], prefills: list[tuple[Sequence, int]]) -> Batch:
+    def account(self, decodes: list[Sequence], prefills: list[tuple[Sequence, int]]):
         """The step of `decodes` and `prefills`, treated as computed: adapter slots, counters
         advanced, a placeholder for each sampling row, forks forked."""
         batch = Batch(seqs=decodes + [seq for seq, _ in prefills],
@@ -187,24 +187,19 @@ class Scheduler:
             if seq.num_computed_tokens < len(seq):
                 continue  # a prefill chunk (not the prompt's end) samples nothing
             for child in seq.forks:
-                if (copy := self.block_manager.fork(seq, child)) is not None:
-                    batch.block_copies.append(copy)
+                batch.block_copies += self.block_manager.fork(seq, child)
                 child.num_computed_tokens = seq.num_computed_tokens
                 child.status = Status.RUNNING
                 self.running.append(child)
             for sampler in [seq, *seq.forks]:
-                self.add_row(batch, sampler, i)
+                sampler.token_ids.append(-1 - len(batch.rows))
+                batch.rows.append((sampler, i))
+                if self.at_length_limit(sampler, len(sampler)):
+                    self.running.remove(sampler)  # its last token is decided: finishes in update()
             seq.forks = []
         return batch
 
-    def add_row(self, batch: Batch, seq: Sequence, source: int):
-        seq.token_ids.append(-1 - len(batch.rows))
-        batch.rows.append(seq)
-        batch.row_sources.append(source)
-        if self.at_length_limit(seq, len(seq)):
-            self.running.remove(seq)  # its last token is decided: finishes in update()
-
-    def at_length_limit(self, seq: Sequence, length: int) -> bool:
+    def at_length_limit(self, seq: Sequence, length: int):
         """Whether a sequence of `length` tokens has no room for another (max_tokens, max_model_len)."""
         return length - seq.num_prompt_tokens >= seq.params.max_tokens or length >= self.max_model_len
 
@@ -215,17 +210,16 @@ class Scheduler:
         self.waiting.insert(1 if self.waiting and self.waiting[0].block_table else 0, seq)
         self.num_preemptions += 1
 
-    def update(self, batch: Batch, sampled: list[int], logprobs: list[dict | None] | None = None,
-               ) -> list[Sequence]:
+    def update(self, batch: Batch, sampled: list[int], logprobs: list[dict | None] | None = None):
         """Account for a collected step: each row's token (and its logprobs, when asked) into its
         sequence. Returns the sequences that got a token (finished ones with their reason)."""
-        for i, seq in enumerate(batch.seqs):
+        for seq, start, n in zip(batch.seqs, batch.starts, batch.num_tokens):
             # blocks this step completed (none if it was preempted since: its counter went back to 0)
-            end = batch.starts[i] + batch.num_tokens[i]
             if seq.status != Status.FINISHED:
-                self.block_manager.register_computed_blocks(seq, min(end, seq.num_computed_tokens))
+                computed = min(start + n, seq.num_computed_tokens)
+                self.block_manager.register_computed_blocks(seq, computed)
         updated = []
-        for row, (seq, source, token) in enumerate(zip(batch.rows, batch.row_sources, sampled)):
+        for row, ((seq, source), token) in enumerate(zip(batch.rows, sampled)):
             if seq.status == Status.FINISHED:
                 self.num_discarded_tokens += 1  # stopped by a token one step late
                 continue
@@ -242,7 +236,7 @@ class Scheduler:
             updated.append(seq)
         return updated
 
-    def finish(self, seq: Sequence, reason: str = "abort", stop_reason: int | str | None = None):
+    def finish(self, seq: Sequence, reason="abort", stop_reason: int | str | None = None):
         """Done or aborted: drop the placeholders of steps scheduled after its last token, free its
         blocks (and its forks'), take it off whichever queue holds it."""
         if seq.status == Status.FINISHED:

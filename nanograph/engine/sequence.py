@@ -11,6 +11,7 @@ A request for n completions is n sequences. The first computes the prompt; the o
 its `forks` and are forked from it by the step that completes the prompt (scheduler.py): they
 share its prompt blocks and sample their first tokens from the same logits.
 """
+from dataclasses import dataclass
 from enum import Enum, auto
 
 import xxhash
@@ -25,41 +26,47 @@ class Status(Enum):
     FINISHED = auto()
 
 
+@dataclass(eq=False)  # compared by identity: sequences are looked up in queues and lists
 class Sequence:
-    def __init__(self, seq_id: int, prompt: list[int], params: SamplingParams, block_size: int,
-                 seed: int = 0, stop_ids: frozenset[int] = frozenset(), adapter: Adapter | None = None,
-                 request_id: int = 0):
-        self.seq_id = seq_id
-        self.request_id = request_id  # the request it is a completion of
-        self.token_ids = list(prompt)
-        self.num_prompt_tokens = len(prompt)
-        self.params = params
-        self.block_size = block_size
+    seq_id: int
+    token_ids: list[int]        # the prompt (copied here), then the completion
+    params: SamplingParams
+    block_size: int
+    seed: int = 0               # its sampling noise stream (layers/sampler.py)
+    stop_ids: frozenset[int] = frozenset()  # what ends it: EOS (unless ignore_eos), stop_token_ids
+    adapter: Adapter | None = None  # its LoRA adapter, None = the base model
+    request_id: int = 0         # the request it is a completion of
+
+    def __post_init__(self):
+        self.token_ids = list(self.token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
         self.status = Status.WAITING
         self.block_table: list[int] = []
         self.num_computed_tokens = 0
         self.num_hashed_blocks = 0   # leading blocks already registered in the prefix cache
-        self.seed = seed             # its sampling noise stream (layers/sampler.py)
-        self.stop_ids = stop_ids     # tokens that end it: EOS (unless ignore_eos) and stop_token_ids
-        self.adapter = adapter       # its LoRA adapter, None = the base model
         # the prefix cache's hash chain starts here: the same tokens under another adapter have
         # other K/V
-        self.cache_salt = 0 if adapter is None else xxhash.xxh64_intdigest(repr(adapter.request).encode())
+        self.cache_salt = (0 if self.adapter is None
+                           else xxhash.xxh64_intdigest(repr(self.adapter.request).encode()))
         self.forks: list[Sequence] = []   # the other completions of its request, not yet forked
         self.finish_reason: str | None = None   # "stop" | "length" | "abort"
         self.stop_reason: int | str | None = None  # the stop id or stop string that ended it
-        self.logprobs: list[dict] | None = [] if params.logprobs is not None else None
+        self.logprobs: list[dict] | None = [] if self.params.logprobs is not None else None
         self.cumulative_logprob = 0.0
 
-    def __len__(self) -> int:
+    def __len__(self):
         return len(self.token_ids)
 
     @property
-    def completion_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+    def completion_token_ids(self):
+        """The completion's tokens the host has: without placeholders for tokens still in flight."""
+        tokens = self.token_ids[self.num_prompt_tokens:]
+        while tokens and tokens[-1] < 0:
+            tokens.pop()
+        return tokens
 
     @property
-    def num_blocks(self) -> int:
+    def num_blocks(self):
         return -(-len(self) // self.block_size)
 
     def block_tokens(self, i: int) -> list[int]:

@@ -52,7 +52,7 @@ class StepInput:
     lora_rank: int = 0                    # the step's LoRA rank bucket, 0 = no adapters
     lora_loads: list = field(default_factory=list)  # (slot, Adapter) to load first (scheduler.py)
 
-    def exact_shape(self) -> "StepShape":
+    def exact_shape(self):
         """The shape that holds this step and nothing more (an eager step's)."""
         n = self.num_decodes
         cu = self.cu_seqlens_q[n:]
@@ -77,15 +77,15 @@ class StepShape:
     max_chunk: int = 0  # a bound on a chunk's length: it sizes the prefill kernel's grid
 
     @property
-    def tokens(self) -> int:
+    def tokens(self):
         return self.decodes + self.prefill_tokens
 
     @property
-    def seqs(self) -> int:
+    def seqs(self):
         return self.decodes + self.chunks
 
 
-def build_step(batch: Batch, block_size: int) -> StepInput:
+def build_step(batch: Batch, block_size) -> StepInput:
     step = StepInput(num_decodes=batch.num_decodes,
                      block_copies=batch.block_copies,
                      lora_rank=batch.lora_rank,
@@ -102,8 +102,8 @@ def build_step(batch: Batch, block_size: int) -> StepInput:
         step.context_lens.append(end)
         step.block_tables.append(table + [-1] * (width - len(table)))
         step.cu_seqlens_q.append(len(step.input_ids))
-    params = [seq.params for seq in batch.rows]
-    for row, (seq, source) in enumerate(zip(batch.rows, batch.row_sources)):
+    params = [seq.params for seq, _ in batch.rows]
+    for row, (seq, source) in enumerate(batch.rows):
         step.sample_indices.append(step.cu_seqlens_q[source + 1] - 1)
         step.sample_lens.append(step.context_lens[source])
         step.temperatures.append(seq.params.temperature)
@@ -135,31 +135,31 @@ class StepBuffers:
               "sample_lens": ("row", 0), "temperatures": ("row", 0), "seeds": ("row", 0),
               "cu_seqlens_q": ("chunk", None)}
 
-    def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, device):
+    def __init__(self, max_tokens, max_seqs, max_blocks, device):
         self.max_blocks = max_blocks
         largest = StepShape(decodes=max_tokens, chunks=max_seqs, rows=max_seqs)
-        size = self.layout(largest)[1] + max_seqs * max_blocks
+        size = self.layout(largest)["block_tables"].stop
         self.device_flat = torch.zeros(size, dtype=torch.int32, device=device)
         pin = torch.device(device).type == "cuda"
         self.host_flats = [torch.zeros(size, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
         self.turn = 0
 
-    def layout(self, shape: StepShape) -> tuple[dict[str, slice], int]:
-        """Where each field of a step of `shape` lies, and where the block tables start."""
+    def layout(self, shape: StepShape) -> dict[str, slice]:
+        """Where each field of a step of `shape` lies, the block tables last."""
         lengths = {"token": shape.tokens, "seq": shape.seqs, "row": shape.rows, "chunk": shape.chunks + 1}
         slices, start = {}, 0
         for name, (per, _) in self.FIELDS.items():
             slices[name] = slice(start, start + lengths[per])
             start += lengths[per]
-        return slices, start
+        slices["block_tables"] = slice(start, start + shape.seqs * self.max_blocks)
+        return slices
 
-    def views(self, shape: StepShape, flat: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    def views(self, shape: StepShape, flat: torch.Tensor | None = None):
         """The fields of a step of `shape`, as views of `flat` (default: the device tensor)."""
         flat = self.device_flat if flat is None else flat
-        slices, start = self.layout(shape)
-        views = {name: flat[where] for name, where in slices.items()}
+        views = {name: flat[where] for name, where in self.layout(shape).items()}
         views["temperatures"] = views["temperatures"].view(torch.float32)
-        views["block_tables"] = flat[start:start + shape.seqs * self.max_blocks].view(shape.seqs, self.max_blocks)
+        views["block_tables"] = views["block_tables"].view(shape.seqs, self.max_blocks)
         return views
 
     def fill(self, step: StepInput, shape: StepShape):
@@ -168,40 +168,34 @@ class StepBuffers:
         self.turn ^= 1
         host = {name: view.numpy() for name, view in self.views(shape, flat).items()}
         n, d = step.num_decodes, shape.decodes
-        values = {"lora_slots": step.lora_slots or [-1] * len(step.input_ids),
-                  "sample_indices": [i if i < n else i - n + d for i in step.sample_indices]}
-        for name, (per, pad) in self.FIELDS.items():
-            live = values[name] if name in values else getattr(step, name)
-            view = host[name]
-            if per == "row":
-                view[:len(live)] = live
-                view[len(live):] = pad
-            elif per != "chunk":  # the decode part at 0, the prefill part at d
-                rest = live[n:]
-                view[:n] = live[:n]
-                view[n:d] = pad
-                view[d:d + len(rest)] = rest
-                view[d + len(rest):] = pad
         offsets = [offset - n for offset in step.cu_seqlens_q[n:]]  # within the prefill part
-        host["cu_seqlens_q"][:len(offsets)] = offsets
-        host["cu_seqlens_q"][len(offsets):] = offsets[-1]
-        tables = step.block_tables
-        host["block_tables"][:] = -1  # past each table, and the padded sequences' (never read)
-        if n:
-            host["block_tables"][:n, :len(tables[0])] = tables[:n]
-        if len(tables) > n:
-            host["block_tables"][d:d + len(tables) - n, :len(tables[0])] = tables[n:]
-        end = self.layout(shape)[1] + shape.seqs * self.max_blocks
+        # a sampling row's token index in the layout of `shape` (the prefill part starts at d)
+        sample_indices = [i if i < n else i - n + d for i in step.sample_indices]
+        fields = vars(step) | {"lora_slots": step.lora_slots or [-1] * len(step.input_ids),
+                               "sample_indices": sample_indices,
+                               "cu_seqlens_q": offsets}
+        for name, (per, pad) in self.FIELDS.items():
+            values, view = fields[name], host[name]
+            # per token or sequence: the decode part at 0, the prefill part at d
+            split, start = (n, d) if per in ("token", "seq") else (0, 0)
+            view[:] = offsets[-1] if pad is None else pad
+            view[:split] = values[:split]
+            view[start:start + len(values) - split] = values[split:]
+        tables = host["block_tables"]
+        tables[:] = -1  # past each table, and the padded sequences' (never read)
+        for part, start in ((step.block_tables[:n], 0), (step.block_tables[n:], d)):
+            if part:
+                tables[start:start + len(part), :len(part[0])] = part
+        end = self.layout(shape)["block_tables"].stop
         self.device_flat[:end].copy_(flat[:end], non_blocking=True)
 
 
 class TokenTable:
     """arange(vocab + max_rows): ids index themselves, placeholder -1 - r the last step's row r."""
 
-    def __init__(self, vocab_size: int, max_rows: int, device):
+    def __init__(self, vocab_size, max_rows, device):
         self.ids = torch.arange(vocab_size + max_rows, device=device)
-        # row r -> index -1 - r
-        self.rows = torch.arange(vocab_size + max_rows - 1, vocab_size - 1, -1, device=device)
+        self.rows = self.ids[-max_rows:].flip(0)  # row r -> index -1 - r
 
     def resolve(self, ids: torch.Tensor) -> torch.Tensor:
         return self.ids[ids]

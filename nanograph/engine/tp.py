@@ -59,7 +59,7 @@ IDLE_TIMEOUT = datetime.timedelta(days=365)    # a worker waits this long for th
 
 def init_distributed(config: Config, rank: int, store: dist.Store):
     """Join the default group (model collectives)."""
-    if (cuda := torch.device(config.device).type == "cuda"):
+    if (cuda := config.device.startswith("cuda")):
         torch.cuda.set_device(rank)
     else:  # the ranks share the cores: oversubscribed, OpenMP's spinning threads starve the other ranks
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tensor_parallel_size))
@@ -67,13 +67,10 @@ def init_distributed(config: Config, rank: int, store: dist.Store):
                             world_size=config.tensor_parallel_size, timeout=STEP_TIMEOUT)
 
 
-def send_step(step: StepInput | None, group):
-    """Rank 0: the step to every worker, pickled (None: the workers exit)."""
-    dist.broadcast_object_list([step], src=0, group=group)
-
-
-def receive_step(group) -> StepInput | None:
-    message = [None]
+def broadcast_step(step: StepInput | None, group) -> StepInput | None:
+    """Rank 0's step to every worker, pickled (None: the workers exit); a worker passes None and
+    gets the step."""
+    message = [step]
     dist.broadcast_object_list(message, src=0, group=group)
     return message[0]
 
@@ -86,13 +83,13 @@ def worker_main(config: Config, rank: int, port: int):
     init_distributed(config, rank, store)
     runner = ModelRunner(config, rank)
     group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)  # for the per-step control messages
-    while (step := receive_step(group)) is not None:
+    while (step := broadcast_step(None, group)) is not None:
         runner.run(step)  # samples the same ids as rank 0
     runner.close()  # its graphs hold references on the NCCL communicator: free them before it goes
     dist.destroy_process_group()
 
 
-def shutdown(procs: list, group_ref: list, num_threads: int):
+def shutdown(procs, group_ref, num_threads):
     """Ask the workers to exit, destroy the process groups with them, reap them. Runs once.
 
     NCCL tears a communicator down collectively, so rank 0 destroys its groups while the workers
@@ -101,7 +98,7 @@ def shutdown(procs: list, group_ref: list, num_threads: int):
     everyone = group_ref[0] is not None and all(p.is_alive() for p in procs)
     if everyone:
         try:
-            send_step(None, group_ref[0])
+            broadcast_step(None, group_ref[0])
         except Exception:
             everyone = False
     if dist.is_initialized():
@@ -121,7 +118,7 @@ class TensorParallelRunner(ModelRunner):
 
     def __init__(self, config: Config):
         n = config.tensor_parallel_size
-        if torch.device(config.device).type == "cuda" and torch.cuda.device_count() < n:
+        if config.device.startswith("cuda") and torch.cuda.device_count() < n:
             raise ValueError(f"tensor_parallel_size={n} but only {torch.cuda.device_count()} GPUs are visible")
         self.group_ref = [None]
         store = dist.TCPStore("127.0.0.1", 0, n, is_master=True, wait_for_workers=False, timeout=STEP_TIMEOUT)
@@ -142,7 +139,7 @@ class TensorParallelRunner(ModelRunner):
         except BaseException as e:
             self.fail(e)
 
-    def dead_worker(self, wait_s: float = 0.0) -> str | None:
+    def dead_worker(self, wait_s=0.0):
         """A message naming the first worker that has exited, waiting up to wait_s for one to."""
         ready = wait([p.sentinel for p in self.procs], timeout=wait_s)
         for rank, p in enumerate(self.procs, 1):
@@ -162,9 +159,9 @@ class TensorParallelRunner(ModelRunner):
         raise error
 
     def launch(self, batch):
-        if (dead := self.dead_worker()):
-            self.fail(RuntimeError(dead))
         try:
+            if (dead := self.dead_worker()):
+                raise RuntimeError(dead)
             return super().launch(batch)
         except BaseException as e:
             self.fail(e)
@@ -172,7 +169,7 @@ class TensorParallelRunner(ModelRunner):
     def run(self, step: StepInput):
         """Every rank runs `step`: send it (once the workers wait for steps), then compute rank 0's share."""
         if self.group_ref[0] is not None:
-            send_step(step, self.group_ref[0])
+            broadcast_step(step, self.group_ref[0])
         return super().run(step)
 
     def close(self):

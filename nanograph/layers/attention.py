@@ -33,54 +33,46 @@ from nanograph.layers.rotary import norm_and_rotate
 from nanograph.utils.context import AttentionInputs, get_step_metadata
 
 
-def torch_rotate_and_store(q, k, v, positions, rotary, k_cache, v_cache, slot_mapping):
-    q, k = norm_and_rotate(q, k, positions, *rotary)
+def torch_rotate_and_store(q, k, v, positions, cos, sin, q_weight, k_weight, eps,
+                           k_cache, v_cache, slot_mapping):
+    """kernels/kv_store.py's rotate_and_store in torch."""
+    q, k = norm_and_rotate(q, k, positions, cos, sin, q_weight, k_weight, eps)
     keep = slot_mapping >= 0
     k_cache.view(-1, *k.shape[1:])[slot_mapping[keep]] = k[keep]
     v_cache.view(-1, *v.shape[1:])[slot_mapping[keep]] = v[keep]
     return q
 
 
-def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    """[num_blocks, block_size, H, D] through [S, nb] tables -> [S, nb * block_size, H, D]."""
-    return cache[block_tables.clamp(min=0)].flatten(1, 2)
-
-
 # The backends' attention, each (q, k_cache, v_cache, inputs, scale) with q rotated and the new
 # K/V stored: a prefill function attends a prefill part, a decode function a decode part (whose
 # inputs have no query offsets: one query a sequence).
 
-def torch_attend(q, k_cache, v_cache, inputs: AttentionInputs, scale: float) -> torch.Tensor:
+def torch_attend(q, k_cache, v_cache, inputs: AttentionInputs, scale: float):
     """Either part: each sequence's keys gathered through its block table, then SDPA."""
-    out = torch.empty_like(q)
+    outs = []
     # the oracle may wait for the device: it slices on the host (so it runs outside CUDA graphs)
     lens = inputs.context_lens.tolist()
     cu = range(len(lens) + 1) if inputs.cu_seqlens_q is None else inputs.cu_seqlens_q.tolist()
     for s, ctx in enumerate(lens):
-        tables = inputs.block_tables[s:s + 1]
-        k, v = (gather_kv(cache, tables)[0, :ctx].transpose(0, 1) for cache in (k_cache, v_cache))
+        # the cache [blocks, block_size, H, D] through the sequence's table -> [H, ctx, D]
+        blocks = inputs.block_tables[s].clamp(min=0)
+        k, v = (cache[blocks].flatten(0, 1)[:ctx].transpose(0, 1) for cache in (k_cache, v_cache))
         qs = q[cu[s]:cu[s + 1]].transpose(0, 1)  # [Hq, q_len, D]; k, v: [Hkv, ctx, D]
         q_len = qs.shape[1]
         # query i sits at position ctx - q_len + i and sees keys 0 .. ctx - q_len + i
-        keys = torch.arange(ctx, device=q.device)
-        mask = keys[None, :] <= torch.arange(ctx - q_len, ctx, device=q.device)[:, None]
+        mask = torch.ones(q_len, ctx, dtype=torch.bool, device=q.device).tril(ctx - q_len)
         o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-        out[cu[s]:cu[s + 1]] = o.transpose(0, 1)
-    return out
+        outs.append(o.transpose(0, 1))
+    return torch.cat(outs)
 
 
-def triton_prefill(q, k_cache, v_cache, inputs: AttentionInputs, scale: float) -> torch.Tensor:
+def triton_prefill(q, k_cache, v_cache, inputs: AttentionInputs, scale: float):
     from nanograph.kernels.paged_prefill import paged_prefill_attention
     return paged_prefill_attention(q, k_cache, v_cache, inputs.cu_seqlens_q, inputs.context_lens,
                                    inputs.block_tables, inputs.max_seqlen_q, scale)
 
 
-def triton_rotate_and_store(q, k, v, positions, rotary, k_cache, v_cache, slot_mapping):
-    from nanograph.kernels.kv_store import rotate_and_store
-    return rotate_and_store(q, k, v, positions, *rotary, k_cache, v_cache, slot_mapping)
-
-
-def flash_attn_prefill(q, k_cache, v_cache, inputs: AttentionInputs, scale: float) -> torch.Tensor:
+def flash_attn_prefill(q, k_cache, v_cache, inputs: AttentionInputs, scale: float):
     from flash_attn import flash_attn_varlen_func
     cu_k = F.pad(inputs.context_lens.cumsum(0, dtype=torch.int32), (1, 0))
     return flash_attn_varlen_func(q, k_cache, v_cache, inputs.cu_seqlens_q, cu_k, inputs.max_seqlen_q,
@@ -88,7 +80,7 @@ def flash_attn_prefill(q, k_cache, v_cache, inputs: AttentionInputs, scale: floa
                                   block_table=inputs.block_tables)
 
 
-def flash_attn_decode(q, k_cache, v_cache, inputs: AttentionInputs, scale: float) -> torch.Tensor:
+def flash_attn_decode(q, k_cache, v_cache, inputs: AttentionInputs, scale: float):
     from flash_attn import flash_attn_with_kvcache
     out = flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=inputs.context_lens,
                                   block_table=inputs.block_tables, softmax_scale=scale, causal=True)
@@ -115,7 +107,7 @@ class Attention(nn.Module):
         self.backend = "torch"
         self.k_cache = self.v_cache = torch.empty(0)  # bound to the cache by ModelRunner
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, positions, q, k, v):
         md = get_step_metadata()
         n = md.num_decodes
         parts = [(slice(0, n), md.decode, True), (slice(n, None), md.prefill, False)]
@@ -123,11 +115,15 @@ class Attention(nn.Module):
                 for rows, inputs, decode in parts if inputs is not None]
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
-    def attend(self, positions, q, k, v, inputs: AttentionInputs, decode: bool) -> torch.Tensor:
+    def attend(self, positions, q, k, v, inputs: AttentionInputs, decode: bool):
         if decode and self.backend == "triton":  # one kernel rotates, stores and attends
             from nanograph.kernels.paged_decode import paged_decode_attention
             return paged_decode_attention(q, k, v, positions, inputs.slot_mapping, *self.rotary, self.k_cache,
                                           self.v_cache, inputs.block_tables, inputs.context_lens, self.scale)
-        rotate_and_store = torch_rotate_and_store if self.backend == "torch" else triton_rotate_and_store
-        q = rotate_and_store(q, k, v, positions, self.rotary, self.k_cache, self.v_cache, inputs.slot_mapping)
+        if self.backend == "torch":
+            rotate_and_store = torch_rotate_and_store
+        else:
+            from nanograph.kernels.kv_store import rotate_and_store
+        q = rotate_and_store(q, k, v, positions, *self.rotary, self.k_cache, self.v_cache,
+                             inputs.slot_mapping)
         return ATTEND[self.backend][decode](q, self.k_cache, self.v_cache, inputs, self.scale)

@@ -14,7 +14,7 @@ from nanograph.layers.linear import linear, parameter, tp_rank, tp_size
 
 
 class VocabParallelEmbedding(nn.Module):
-    def __init__(self, vocab_size: int, dim: int):
+    def __init__(self, vocab_size, dim: int):
         super().__init__()
         self.vocab_size = vocab_size
         self.part = -(-vocab_size // tp_size())
@@ -22,11 +22,11 @@ class VocabParallelEmbedding(nn.Module):
         # the last part may be padded
         self.weight = parameter(torch.zeros(self.part, dim), self.weight_loader)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None):
+    def weight_loader(self, param, loaded, shard_id=None):
         rows = loaded[self.start:self.start + self.part]
         param.data[:rows.shape[0]].copy_(rows)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids):
         if tp_size() == 1:
             return F.embedding(ids, self.weight)
         mine = (ids >= self.start) & (ids < self.start + self.part)
@@ -38,8 +38,8 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     gemv_rows = 2  # the model's gemv_max_rows (models/decoder.py sets it)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = linear(hidden, self.weight, gemv_rows=self.gemv_rows)
+    def forward(self, hidden):
+        logits = linear(self, hidden)
         if tp_size() > 1:
             parts = [torch.empty_like(logits) for _ in range(tp_size())]
             dist.all_gather(parts, logits)

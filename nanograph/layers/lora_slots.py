@@ -50,20 +50,20 @@ from nanograph.utils.context import get_step_metadata
 RANK_BUCKETS = (8, 16, 32, 64)
 
 
-def rank_buckets(max_rank: int) -> list[int]:
+def rank_buckets(max_rank) -> list[int]:
     return [b for b in RANK_BUCKETS if b < max_rank] + [max_rank]
 
 
-def lora_targets(model) -> list:
+def lora_targets(model):
     return [m for m in model.modules() if hasattr(m, "load_lora")]
 
 
-def add_lora_buffers(model, max_loras: int, max_rank: int):
+def add_lora_buffers(model, max_loras, max_rank):
     """The slots of every target layer; a producer's lora_a also has room for its fold, after its own parts."""
-    folds = {producer: consumer for producer, consumer, _ in model.lora_folds()}
+    folds = {producer: [consumer] for producer, consumer, _ in model.lora_folds()}
     for layer in lora_targets(model):
         # a producer's A: its own parts, then its consumer's (whose inputs follow its own)
-        modules = [layer, folds[layer]] if layer in folds else [layer]
+        modules = [layer, *folds.get(layer, [])]
         parts, width = sum(len(m.part_starts) for m in modules), sum(m.weight.shape[1] for m in modules)
         layer.lora_a = layer.weight.new_zeros(max_loras, parts, max_rank, width)
         layer.lora_b = layer.weight.new_zeros(max_loras, layer.weight.shape[0], max_rank)
@@ -77,20 +77,25 @@ def load_adapter(model, slot: int, adapter: Adapter):
         parent, _, name = path.rpartition(".")
         fused, shard_id = model.packed_modules.get(name, (name, None))
         layer = model.get_submodule(f"{parent}.{fused}")
-        layer.load_lora(slot, shard_id, a.to(layer.weight.dtype), b.to(layer.weight.dtype))
+        layer.load_lora(slot, shard_id, a, b)  # (cast to the slots' dtype as they are copied in)
     for producer, consumer, norm in model.lora_folds():  # [A' (W + B A) | A'], A' = A diag(norm weight)
         k, a, b = producer.weight.shape[1], producer.lora_a[slot, 0].float(), producer.lora_b[slot].float()
         folded = consumer.lora_a[slot].float() * norm.weight.float()  # [parts, R, hidden]
         producer.lora_a[slot, 1:] = torch.cat([folded @ (producer.weight.float() + b @ a[:, :k]), folded], -1)
 
 
-def lora_inputs(x: torch.Tensor | DeferredNorm, layer, residual: torch.Tensor | None = None) -> tuple | None:
+def lora_active(layer):
+    """Whether `layer` adds LoRA deltas this step: it is a target, and the step has adapters."""
+    return getattr(layer, "lora_a", None) is not None and get_step_metadata().lora_rank > 0
+
+
+def lora_inputs(x: torch.Tensor | DeferredNorm, layer, residual=None):
     """CUDA: the first half of each row's delta, h = x A^T of the row's adapter (kernels/bgmv.py's
     shrink), with what the second half needs: (h, lora_b, slots, part_starts). None when `layer`
     (None: not a LoRA target) adds no delta this step. On the GEMV path (`residual` given) a
     producer's shrink also makes its consumer's folded h, which the consumer then takes, its
     input being a DeferredNorm."""
-    if getattr(layer, "lora_a", None) is None or get_step_metadata().lora_rank == 0:
+    if not lora_active(layer):
         return None
     from nanograph.kernels.bgmv import lora_shrink
     md, own = get_step_metadata(), len(layer.part_starts)
@@ -104,12 +109,14 @@ def lora_inputs(x: torch.Tensor | DeferredNorm, layer, residual: torch.Tensor | 
     return h[:, :own], layer.lora_b, md.lora_slots, layer.part_starts
 
 
-def linear_with_lora(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer) -> torch.Tensor:
-    """x W^T + bias (cuBLAS) plus the LoRA delta of each row's adapter when `layer` is a LoRA target:
-    on CUDA in decode (above gemv.py's 16 rows) the shrink kernel and, after the product, the expand."""
-    if getattr(layer, "lora_a", None) is None or get_step_metadata().lora_rank == 0:
-        return torch.nn.functional.linear(x, weight, bias)
-    md, y = get_step_metadata(), torch.nn.functional.linear(x, weight, bias)
+def linear_with_lora(layer, x, bias):
+    """x W^T + bias (cuBLAS) with `layer`'s weight W, plus the LoRA delta of each row's adapter
+    when `layer` is a LoRA target: on CUDA in decode (above gemv.py's 16 rows) the shrink kernel
+    and, after the product, the expand."""
+    y = torch.nn.functional.linear(x, layer.weight, bias)
+    if not lora_active(layer):
+        return y
+    md = get_step_metadata()
     if x.is_cuda and md.prefill is None:
         from nanograph.kernels.bgmv import lora_expand
         lora_expand(y, *lora_inputs(x, layer))

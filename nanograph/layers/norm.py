@@ -21,14 +21,14 @@ from torch import nn
 from nanograph.utils.compile import cuda_compiled
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x, weight, eps: float):
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
 
 
 @cuda_compiled
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+def add_rms_norm(x, residual, weight, eps: float):
     """(rms_norm(x + residual), x + residual); without a residual (rms_norm(x), x)."""
     if residual is not None:
         x = x + residual
@@ -52,7 +52,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, defer: bool = False):
+    def forward(self, x, residual=None, defer=False):
         if defer:
             out = DeferredNorm(x, self.weight, self.eps, residual,
                                None if residual is None else torch.empty_like(x))  # residual_out

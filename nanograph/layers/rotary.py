@@ -13,8 +13,8 @@ from torch import nn
 from nanograph.layers.norm import rms_norm
 
 
-def rope_frequencies(head_dim: int, rope: dict) -> torch.Tensor:
-    inv_freq = 1.0 / (rope.get("rope_theta", 10000.0)
+def rope_frequencies(head_dim: int, rope: dict):
+    inv_freq = 1.0 / (rope["rope_theta"]
                       ** (torch.arange(0, head_dim, 2).float() / head_dim))
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind == "default":
@@ -32,7 +32,7 @@ def rope_frequencies(head_dim: int, rope: dict) -> torch.Tensor:
     raise ValueError(f"rope scaling type {kind!r} is not supported (default, linear, llama3 are)")
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotate(x, cos, sin):
     # x: [tokens, heads, head_dim]; cos/sin: [tokens, head_dim / 2]
     x1, x2 = x.chunk(2, dim=-1)
     cos = cos.unsqueeze(1).to(x.dtype)
@@ -53,7 +53,7 @@ def norm_and_rotate(q, k, positions, cos, sin, q_weight, k_weight, eps: float):
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, max_position: int, rope: dict):
+    def __init__(self, head_dim: int, max_position, rope: dict):
         super().__init__()
         freqs = torch.outer(torch.arange(max_position).float(), rope_frequencies(head_dim, rope))
         self.register_buffer("cos", freqs.cos(), persistent=False)

@@ -32,7 +32,7 @@ MASK32 = 0xFFFFFFFF
 VOCAB_CHUNK = 1024
 
 
-def mix32(x: torch.Tensor) -> torch.Tensor:
+def mix32(x):
     """lowbias32 on int64 tensors holding 32-bit values; both constants are < 2**31, so no product
     overflows 64 bits."""
     x = x ^ (x >> 16)
@@ -43,7 +43,7 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
 
 
 @cuda_compiled
-def sample_softmax(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+def sample_softmax(logits, temperatures, seeds, lengths):
     """logits [B, V]; per row its temperature (0 = greedy), seed and length (the index of the token
     being sampled) -> token ids [B]."""
     key = mix32(mix32(seeds.long() & MASK32) ^ lengths.long())[:, None]  # one stream per (seed, index)
@@ -54,7 +54,7 @@ def sample_softmax(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torc
     return chunked_argmax(torch.where((temperatures == 0)[:, None], logits.float(), tempered))
 
 
-def chunked_argmax(scores: torch.Tensor) -> torch.Tensor:
+def chunked_argmax(scores):
     """argmax over the vocabulary in two stages: within chunks of VOCAB_CHUNK, all in parallel, then
     over the chunks' maxima. One reduction per row would run on one thread block per row: at batch 1,
     a 150k-long reduction on one of the GPU's 132 multiprocessors. Ties go to the first index."""
@@ -66,7 +66,7 @@ def chunked_argmax(scores: torch.Tensor) -> torch.Tensor:
     return (chunk * VOCAB_CHUNK + index.gather(-1, chunk))[:, 0]
 
 
-def top_k_top_p_filter(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
+def top_k_top_p_filter(logits, top_ks, top_ps):
     """Set to -inf every logit outside the row's top-k, then outside its top-p nucleus."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     rank = torch.arange(logits.shape[-1], device=logits.device)
@@ -77,8 +77,8 @@ def top_k_top_p_filter(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
-def sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, lengths: torch.Tensor,
-           top: tuple | None = None, banned: tuple | None = None) -> torch.Tensor:
+def sample(logits, temperatures, seeds, lengths,
+           top: tuple | None = None, banned: tuple | None = None):
     """sample_softmax after the masks: `banned` (rows, token ids) pairs (min_tokens), then the
     top-k / top-p filter when `top` = (top_ks, top_ps) is given (top_k < 1 = off, top_p 1 = off)."""
     if banned is not None:
@@ -90,10 +90,9 @@ def sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor
     return sample_softmax(logits, temperatures, seeds, lengths)
 
 
-def top_logprobs(logits: torch.Tensor, sampled: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
+def top_logprobs(logits, sampled, n: int):
     """From the raw logits (before temperature and the filters, as vLLM reports them): each row's
     log-probability of its sampled token [rows], and its n most likely tokens' [rows, n] with
     their ids."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
-    top_values, top_ids = logprobs.topk(n, dim=-1)
-    return logprobs.gather(-1, sampled[:, None])[:, 0], top_values, top_ids
+    return logprobs.gather(-1, sampled[:, None])[:, 0], *logprobs.topk(n, dim=-1)

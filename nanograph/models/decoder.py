@@ -10,7 +10,6 @@ different lengths and decode tokens are concatenated, and attention finds each t
 through the per-step metadata. The parameter names match the HF checkpoints, except that
 q/k/v and gate/up are fused; `packed_modules` tells the loader how to fill the fused weights.
 """
-import torch
 import torch.nn.functional as F
 from torch import nn
 
@@ -24,14 +23,22 @@ from nanograph.utils.compile import cuda_compiled
 from nanograph.utils.context import get_step_metadata
 
 
-def head_dim(cfg) -> int:
+def head_dim(cfg):
     return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
 
 @cuda_compiled
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(x):
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def defer_norm(x):
+    """Whether the norm of `x` is deferred into the GEMV that reads it (see norm.py): at small
+    decode batches on CUDA, and in a LoRA step only where a fold has made the GEMV's h
+    (layers/lora_slots.py): not the first layer's, nor with tp > 1."""
+    md = get_step_metadata()
+    return use_gemv(x) and not (md.lora_rank and md.lora_fold is None)
 
 
 class DecoderAttention(nn.Module):
@@ -49,8 +56,8 @@ class DecoderAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.attn = Attention(self.head_dim ** -0.5, rope, self.q_norm, self.k_norm)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        heads = self.qkv_proj(x).unflatten(-1, (self.num_heads + 2 * self.num_kv_heads, self.head_dim))
+    def forward(self, positions, x, residual):
+        heads = self.qkv_proj(x).unflatten(-1, (-1, self.head_dim))
         q, k, v = heads.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         return self.o_proj(self.attn(positions, q, k, v).flatten(1), residual)
 
@@ -62,7 +69,7 @@ class DecoderMLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    def forward(self, x, residual):
         # the GEMV applies the activation itself (after the LoRA delta, kernels/gemv.py)
         gate_up = self.gate_up_proj(x, silu_and_mul=True) if use_gemv(x) else silu_and_mul(self.gate_up_proj(x))
         return self.down_proj(gate_up, residual)
@@ -77,13 +84,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, positions, x, residual):
-        # residual carries the un-normalised stream; at small decode batches on CUDA both norms
-        # are deferred into the GEMV that reads them (see norm.py), in a LoRA step only where a
-        # fold has made the GEMV's h (layers/lora_slots.py): not the first layer's, nor with tp > 1
-        md, defer = get_step_metadata(), use_gemv(x)
-        x, residual = self.input_layernorm(x, residual, defer and not (md.lora_rank and md.lora_fold is None))
+        # residual carries the un-normalised stream
+        x, residual = self.input_layernorm(x, residual, defer_norm(x))
         x = self.self_attn(positions, x, residual)
-        x, residual = self.post_attention_layernorm(x, residual, defer and not (md.lora_rank and md.lora_fold is None))
+        x, residual = self.post_attention_layernorm(x, residual, defer_norm(x))
         return self.mlp(x, residual), residual
 
 
@@ -97,7 +101,7 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids, positions):
         x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             x, residual = layer(positions, x, residual)
@@ -120,15 +124,14 @@ class DecoderForCausalLM(nn.Module):
         widest_input = max(cfg.hidden_size,
                            cfg.num_attention_heads * head_dim(cfg) // tp_size(),
                            cfg.intermediate_size // tp_size())
-        self.gemv_max_rows = gemv_max_rows(widest_input)
         for module in self.modules():
             if hasattr(module, "gemv_rows"):
-                module.gemv_rows = self.gemv_max_rows
+                module.gemv_rows = gemv_max_rows(widest_input)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids, positions):
         return self.model(input_ids, positions)
 
-    def lora_folds(self) -> list[tuple]:
+    def lora_folds(self):
         """(producer, consumer, norm): the consumer's input is norm(the producer's output + the
         residual stream). With one rank and no bias in the producer, the consumer's LoRA shrink
         folds into the producer's (layers/lora_slots.py)."""
@@ -136,6 +139,3 @@ class DecoderForCausalLM(nn.Module):
         folds = [(layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.post_attention_layernorm) for layer in layers]
         folds += [(a.mlp.down_proj, b.self_attn.qkv_proj, b.input_layernorm) for a, b in zip(layers, layers[1:])]
         return [fold for fold in folds if fold[0].bias is None] if tp_size() == 1 else []
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)

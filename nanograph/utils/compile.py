@@ -18,6 +18,6 @@ def cuda_compiled(fn):
     compiled = torch.compile(fn, dynamic=True, options={"emulate_precision_casts": True})
 
     @functools.wraps(fn)
-    def dispatch(x: torch.Tensor, *args):
+    def dispatch(x, *args):
         return (compiled if x.is_cuda else fn)(x, *args)
     return dispatch

@@ -25,12 +25,11 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 
-def resolve_model_dir(model: str, weights: bool = True) -> str:
+def resolve_model_dir(model: str, weights=True):
     if os.path.isdir(model):
         return model
     from huggingface_hub import snapshot_download
-    patterns = (["*.json", "*.safetensors", "*.txt", "*.model"] if weights
-                else ["*.json", "*.txt", "*.model"])
+    patterns = ["*.json", "*.txt", "*.model"] + (["*.safetensors"] if weights else [])
     try:
         return snapshot_download(model, allow_patterns=patterns)
     except Exception as e:  # offline, unknown repo, gated...: all end the same way for the user
@@ -53,7 +52,7 @@ def weight_files(model_dir: str) -> list[str]:
     return files
 
 
-def expected_tensors(model: nn.Module) -> dict[str, tuple[nn.Parameter, object, tuple]]:
+def expected_tensors(model: nn.Module):
     """Checkpoint name -> (the parameter it fills, shard id, the shape the model expects of it).
     A fused parameter expects one tensor per shard; a tied LM head is listed once, as the
     embedding."""
@@ -112,8 +111,8 @@ def load_weights(model: nn.Module, model_dir: str):
                         ("tensor(s) the model needs, missing from the checkpoint",
                          set(expected) - seen)):
         if names:  # the first few by name, and how many
-            raise ValueError(f"model {model_dir!r}: {len(names)} {what}: "
-                             + ", ".join(sorted(names)[:5] + ["..."] * (len(names) > 5)))
+            first = sorted(names)[:5] + ["..."] * (len(names) > 5)
+            raise ValueError(f"model {model_dir!r}: {len(names)} {what}: {', '.join(first)}")
 
 
 @torch.no_grad()
