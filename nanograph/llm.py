@@ -91,8 +91,9 @@ class LLM(contextlib.AbstractContextManager):  # `with LLM(...) as llm:` closes 
     def _eos_ids(self) -> frozenset[int]:
         """From the model's config, its generation config and its tokenizer, whichever exist."""
         model_dir = self.config.model_dir
-        gen = Path(model_dir, "generation_config.json").exists() and \
-            GenerationConfig.from_pretrained(model_dir)
+        gen = None  # (not False: a False among the ids would be token 0)
+        if Path(model_dir, "generation_config.json").exists():
+            gen = GenerationConfig.from_pretrained(model_dir)
         values = (self.config.hf_config.eos_token_id, gen and gen.eos_token_id,
                   self.tokenizer and self.tokenizer.eos_token_id)
         return frozenset(i for v in values if v is not None for i in (v if isinstance(v, list) else [v]))
