@@ -55,9 +55,7 @@ CUDA graphs. The kernel is captured once and replayed with other context lengths
 ``context_lens``. The rest happens on the GPU: a split whose first tile is past its sequence's
 end returns right after its PDL wait, and the merge reads only the ``ceil(num_tiles /
 tiles_per_split)`` splits that did work. A padded row (context_len 0) has no working split and
-reads no K/V; its split 0 writes a zero output.
-
-The measurements behind these choices: docs/experiments.md ("Decode attention").
+reads no K/V; its split 0 writes a zero output. (The measurements: docs/experiments.md.)
 """
 
 import functools
