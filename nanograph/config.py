@@ -62,7 +62,8 @@ class Config:
             raise ValueError(
                 f"attention_backend='flash_attn' needs kvcache_block_size=256, got {bs}")
         if self.cuda_graph_sizes is not None and min(self.cuda_graph_sizes, default=0) < 1:
-            raise ValueError(f"cuda_graph_sizes must be a non-empty list of sizes >= 1, got {self.cuda_graph_sizes}")
+            raise ValueError("cuda_graph_sizes must be a non-empty list of sizes >= 1, "
+                             f"got {self.cuda_graph_sizes}")
         cuda = self.device.startswith("cuda")
         # triton measured at least as fast as flash_attn (layers/attention.py)
         if self.attention_backend == "auto":

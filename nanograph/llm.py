@@ -145,7 +145,8 @@ class LLM(contextlib.AbstractContextManager):  # `with LLM(...) as llm:` closes 
             raise ValueError(
                 f"{name}: sampling params must be a SamplingParams, got {type(params).__name__}")
         if any(t >= vocab for t in params.stop_token_ids or ()):
-            raise ValueError(f"{name}: stop_token_ids {params.stop_token_ids} outside the vocabulary [0, {vocab})")
+            raise ValueError(f"{name}: stop_token_ids {params.stop_token_ids} "
+                             f"outside the vocabulary [0, {vocab})")
         if (params.logprobs or 0) > vocab:
             raise ValueError(
                 f"{name}: logprobs={params.logprobs} is above the vocabulary size {vocab}")
@@ -256,7 +257,8 @@ class LLM(contextlib.AbstractContextManager):  # `with LLM(...) as llm:` closes 
                     if (stop := request.update_text(seq)) is not None:
                         self.scheduler.finish(seq, "stop", stop)  # (nothing if it finished already)
                         # outranks the length limit
-                        seq.finish_reason, seq.stop_reason = "stop", stop
+                        seq.finish_reason = "stop"
+                        seq.stop_reason = stop
         except BaseException:  # nothing in flight can be trusted: every request ends, freed
             with contextlib.suppress(Exception):  # a broken device must not hide the original error
                 torch.cuda.synchronize()  # (without CUDA this raises too: nothing to wait for)

@@ -112,7 +112,8 @@ class ModelRunner:
             dist.all_reduce(t, op=dist.ReduceOp.MIN)
             num_blocks = int(t.item())
         if num_blocks < 1:
-            raise ValueError("no memory for the KV cache: lower max_num_batched_tokens or raise gpu_memory_utilization")
+            raise ValueError("no memory for the KV cache: lower max_num_batched_tokens or "
+                             "raise gpu_memory_utilization")
         self.bind_kv_cache(num_blocks)
         return num_blocks
 
@@ -120,7 +121,8 @@ class ModelRunner:
         self.kv_cache = torch.zeros(2, len(self.attention_layers), num_blocks, *self.kv_block_shape,
                                     dtype=self.config.torch_dtype, device=self.device)
         for i, attn in enumerate(self.attention_layers):
-            attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+            attn.k_cache = self.kv_cache[0, i]
+            attn.v_cache = self.kv_cache[1, i]
 
     def measure_activation_peak(self):
         """Run the largest prefill the scheduler can send once and return the activation memory it

@@ -65,8 +65,8 @@ def add_lora_buffers(model, max_loras, max_rank):
     for layer in lora_targets(model):
         # a producer's A: its own parts, then its consumer's (whose inputs follow its own)
         modules = [layer, *folds.get(layer, [])]
-        parts, width = sum(len(m.part_starts) for m in modules), \
-            sum(m.weight.shape[1] for m in modules)
+        parts = sum(len(m.part_starts) for m in modules)
+        width = sum(m.weight.shape[1] for m in modules)
         layer.lora_a = layer.weight.new_zeros(max_loras, parts, max_rank, width)
         layer.lora_b = layer.weight.new_zeros(max_loras, layer.weight.shape[0], max_rank)
 
