@@ -1,4 +1,5 @@
-"""nanograph: a small, readable LLM inference engine built around captured CUDA graphs for decode."""
+"""nanograph: a small, readable LLM inference engine built around captured CUDA graphs for decode.
+"""
 from nanograph.llm import LLM
 from nanograph.adapter import LoRARequest
 from nanograph.sampling_params import SamplingParams

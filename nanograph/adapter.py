@@ -24,8 +24,10 @@ from safetensors import safe_open
 # PEFT's names of a decoder layer's linear modules
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # groups: the module's path in the model, its layer, its name, A or B
-TENSOR_NAME = re.compile(r"base_model\.model\.(model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+))\.lora_([AB])\.weight")
-UNSUPPORTED = ("use_dora", "modules_to_save", "rank_pattern", "alpha_pattern", "layers_to_transform", "lora_bias")
+TENSOR_NAME = re.compile(
+    r"base_model\.model\.(model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+))\.lora_([AB])\.weight")
+UNSUPPORTED = ("use_dora", "modules_to_save", "rank_pattern", "alpha_pattern",
+               "layers_to_transform", "lora_bias")
 
 
 @dataclass(frozen=True)
@@ -44,10 +46,16 @@ class Adapter:
 def module_shapes(hf):
     """(out, in) features of each target module in the full (unsharded) model."""
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-    q, kv, hidden, inter = hf.num_attention_heads * head_dim, hf.num_key_value_heads * head_dim, hf.hidden_size, \
-        hf.intermediate_size
-    return {"q_proj": (q, hidden), "k_proj": (kv, hidden), "v_proj": (kv, hidden), "o_proj": (hidden, q),
-            "gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}
+    q = hf.num_attention_heads * head_dim
+    kv = hf.num_key_value_heads * head_dim
+    hidden, inter = hf.hidden_size, hf.intermediate_size
+    return {"q_proj": (q, hidden),
+            "k_proj": (kv, hidden),
+            "v_proj": (kv, hidden),
+            "o_proj": (hidden, q),
+            "gate_proj": (inter, hidden),
+            "up_proj": (inter, hidden),
+            "down_proj": (hidden, inter)}
 
 
 def read_adapter(request: LoRARequest, hf, max_rank, where="") -> Adapter:
@@ -61,7 +69,8 @@ def read_adapter(request: LoRARequest, hf, max_rank, where="") -> Adapter:
             fail(f"{file} not found")
     cfg = json.loads((folder / "adapter_config.json").read_text())
     if cfg.get("peft_type", "LORA") != "LORA" or cfg.get("bias", "none") != "none":
-        fail(f"only plain LoRA without bias is supported (peft_type {cfg.get('peft_type')}, bias {cfg.get('bias')})")
+        fail("only plain LoRA without bias is supported "
+             f"(peft_type {cfg.get('peft_type')}, bias {cfg.get('bias')})")
     if any(cfg.get(key) for key in UNSUPPORTED):
         fail(f"{', '.join(k for k in UNSUPPORTED if cfg.get(k))} not supported")
     if not isinstance(cfg.get("r"), int) or not isinstance(cfg.get("lora_alpha"), (int, float)):
@@ -78,11 +87,13 @@ def read_adapter(request: LoRARequest, hf, max_rank, where="") -> Adapter:
             out, inp = shapes[match[3]]
             want = (rank, inp) if match[4] == "A" else (out, rank)
             if tuple(f.get_slice(name).get_shape()) != want:
-                fail(f"tensor {name} has shape {tuple(f.get_slice(name).get_shape())}, expected {want} (rank {rank})")
+                fail(f"tensor {name} has shape {tuple(f.get_slice(name).get_shape())}, "
+                     f"expected {want} (rank {rank})")
             pairs.add((match[1], match[4]))  # (module, A or B)
     if not pairs or len({p for p, _ in pairs}) * 2 != len(pairs):
         fail("every targeted module needs both lora_A and lora_B, and at least one module")
-    return Adapter(request, rank, cfg["lora_alpha"] / (math.sqrt(rank) if cfg.get("use_rslora") else rank))
+    return Adapter(request, rank,
+                   cfg["lora_alpha"] / (math.sqrt(rank) if cfg.get("use_rslora") else rank))
 
 
 def adapter_weights(adapter: Adapter):

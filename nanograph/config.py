@@ -37,7 +37,8 @@ class Config:
     enable_lora: bool = False
     max_loras: int = 4                         # adapters resident at once (GPU slots)
     max_lora_rank: int = 64
-    # and, derived in __post_init__: model_dir (str), hf_config (the HF PretrainedConfig), torch_dtype
+    # and, derived in __post_init__:
+    # model_dir (str), hf_config (the HF PretrainedConfig), torch_dtype
 
     def __post_init__(self):
         self.device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -48,19 +49,24 @@ class Config:
         bs = self.kvcache_block_size
         if not 16 <= bs <= 256 or bs & (bs - 1):
             raise ValueError(f"kvcache_block_size must be a power of two in [16, 256], got {bs}")
-        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_num_mixed_tokens",
-                     "tensor_parallel_size", "max_loras", "max_lora_rank", "num_kvcache_blocks"):
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens",
+                     "max_num_mixed_tokens", "tensor_parallel_size", "max_loras", "max_lora_rank",
+                     "num_kvcache_blocks"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.attention_backend == "flash_attn" and bs != 256:
-            raise ValueError(f"attention_backend='flash_attn' needs kvcache_block_size=256, got {bs}")
+            raise ValueError(
+                f"attention_backend='flash_attn' needs kvcache_block_size=256, got {bs}")
         if self.cuda_graph_sizes is not None and min(self.cuda_graph_sizes, default=0) < 1:
-            raise ValueError(f"cuda_graph_sizes must be a non-empty list of sizes >= 1, got {self.cuda_graph_sizes}")
+            raise ValueError("cuda_graph_sizes must be a non-empty list of sizes >= 1, "
+                             f"got {self.cuda_graph_sizes}")
         cuda = self.device.startswith("cuda")
-        if self.attention_backend == "auto":  # triton measured at least as fast as flash_attn (layers/attention.py)
+        # triton measured at least as fast as flash_attn (layers/attention.py)
+        if self.attention_backend == "auto":
             self.attention_backend = "triton" if cuda else "torch"
         self.max_num_mixed_tokens = min(self.max_num_mixed_tokens, self.max_num_batched_tokens)
         if self.overlap_scheduling is None:
@@ -75,7 +81,8 @@ class Config:
     def _resolve_dtype(self):
         """auto: the checkpoint's half type (else bf16) on CUDA, float32 on the CPU."""
         if self.dtype == "auto":
-            dtype = getattr(self.hf_config, "dtype", None) or getattr(self.hf_config, "torch_dtype", None)
+            dtype = getattr(self.hf_config, "dtype", None) \
+                or getattr(self.hf_config, "torch_dtype", None)
             half = dtype if dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
             return half if self.device.startswith("cuda") else torch.float32
         dtype = getattr(torch, str(self.dtype).replace("torch.", ""), None)

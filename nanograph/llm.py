@@ -64,7 +64,8 @@ class LLM(contextlib.AbstractContextManager):  # `with LLM(...) as llm:` closes 
         self.config = config = Config(model, **kwargs)
         if torch.distributed.is_initialized():
             # layers shard over the default group (layers/linear.py): one LLM at a time
-            raise RuntimeError("a torch.distributed process group is already open here: close the other LLM first")
+            raise RuntimeError(
+                "a torch.distributed process group is already open here: close the other LLM first")
         self.tokenizer = None
         tokenizer_files = ("tokenizer.json", "tokenizer_config.json")
         if any(Path(config.model_dir, f).exists() for f in tokenizer_files):
@@ -96,7 +97,8 @@ class LLM(contextlib.AbstractContextManager):  # `with LLM(...) as llm:` closes 
             gen = GenerationConfig.from_pretrained(model_dir)
         values = (self.config.hf_config.eos_token_id, gen and gen.eos_token_id,
                   self.tokenizer and self.tokenizer.eos_token_id)
-        return frozenset(i for v in values if v is not None for i in (v if isinstance(v, list) else [v]))
+        return frozenset(i for v in values if v is not None
+                         for i in (v if isinstance(v, list) else [v]))
 
     def close(self):
         """Free the device memory (and with tensor parallelism, the workers) now, not at garbage
@@ -113,7 +115,8 @@ class LLM(contextlib.AbstractContextManager):  # `with LLM(...) as llm:` closes 
             raise RuntimeError("another thread is inside this LLM's generate or step: an LLM is "
                                "driven by one thread at a time (use its step API from that thread)")
         try:
-            if self.runner.model is None:  # released by close(), or by a failed tensor-parallel step
+            # released by close(), or by a failed tensor-parallel step
+            if self.runner.model is None:
                 raise RuntimeError("this LLM has been closed")
             yield
         finally:
@@ -124,7 +127,8 @@ class LLM(contextlib.AbstractContextManager):  # `with LLM(...) as llm:` closes 
         cfg = self.config
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError(f"{name}: text prompt but model {cfg.model!r} has no tokenizer; pass token ids")
+                raise ValueError(
+                    f"{name}: text prompt but model {cfg.model!r} has no tokenizer; pass token ids")
             prompt = self.tokenizer.encode(prompt)
         if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) for t in prompt):
             raise ValueError(f"{name}: a prompt must be a str or a list of int token ids")
@@ -134,18 +138,24 @@ class LLM(contextlib.AbstractContextManager):  # `with LLM(...) as llm:` closes 
         if (bad := [t for t in prompt if not 0 <= t < vocab]):
             raise ValueError(f"{name}: token id {bad[0]} is outside the vocabulary [0, {vocab})")
         if len(prompt) >= cfg.max_model_len:
-            raise ValueError(f"{name}: prompt has {len(prompt)} tokens, max_model_len={cfg.max_model_len} "
-                             "leaves no room to generate")
+            raise ValueError(
+                f"{name}: prompt has {len(prompt)} tokens, max_model_len={cfg.max_model_len} "
+                "leaves no room to generate")
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"{name}: sampling params must be a SamplingParams, got {type(params).__name__}")
+            raise ValueError(
+                f"{name}: sampling params must be a SamplingParams, got {type(params).__name__}")
         if any(t >= vocab for t in params.stop_token_ids or ()):
-            raise ValueError(f"{name}: stop_token_ids {params.stop_token_ids} outside the vocabulary [0, {vocab})")
+            raise ValueError(f"{name}: stop_token_ids {params.stop_token_ids} "
+                             f"outside the vocabulary [0, {vocab})")
         if (params.logprobs or 0) > vocab:
-            raise ValueError(f"{name}: logprobs={params.logprobs} is above the vocabulary size {vocab}")
+            raise ValueError(
+                f"{name}: logprobs={params.logprobs} is above the vocabulary size {vocab}")
         if params.n > cfg.max_num_seqs:
-            raise ValueError(f"{name}: n={params.n} completions but max_num_seqs={cfg.max_num_seqs}")
+            raise ValueError(
+                f"{name}: n={params.n} completions but max_num_seqs={cfg.max_num_seqs}")
         if params.stop and self.tokenizer is None:
-            raise ValueError(f"{name}: stop strings need a tokenizer, and model {cfg.model!r} has none")
+            raise ValueError(
+                f"{name}: stop strings need a tokenizer, and model {cfg.model!r} has none")
         block_size = cfg.kvcache_block_size
         longest = min(len(prompt) + params.max_tokens, cfg.max_model_len)
         # one sequence at its longest, and the prompt's full blocks with a partial last block for
@@ -153,8 +163,9 @@ class LLM(contextlib.AbstractContextManager):  # `with LLM(...) as llm:` closes 
         partial = len(prompt) % block_size > 0
         blocks = max(-(-longest // block_size), len(prompt) // block_size + params.n * partial)
         if blocks > self.runner.num_kv_blocks:
-            raise ValueError(f"{name}: needs up to {blocks} KV blocks ({longest} tokens, n={params.n}) "
-                             f"but the cache has {self.runner.num_kv_blocks}; it could never run")
+            raise ValueError(
+                f"{name}: needs up to {blocks} KV blocks ({longest} tokens, n={params.n}) "
+                f"but the cache has {self.runner.num_kv_blocks}; it could never run")
         return list(prompt)
 
     def _adapter(self, name: str, request: LoRARequest | None) -> Adapter | None:
@@ -163,10 +174,12 @@ class LLM(contextlib.AbstractContextManager):  # `with LLM(...) as llm:` closes 
         if not self.config.enable_lora:
             raise ValueError(f"{name}: a lora_request needs LLM(..., enable_lora=True)")
         if not isinstance(request, LoRARequest):
-            raise ValueError(f"{name}: lora_request must be a LoRARequest, got {type(request).__name__}")
-        if request not in self.adapters:  # checked once per adapter, read from disk when it gets a slot
-            self.adapters[request] = read_adapter(request, self.config.hf_config, self.config.max_lora_rank,
-                                                  f"{name}: ")
+            raise ValueError(
+                f"{name}: lora_request must be a LoRARequest, got {type(request).__name__}")
+        # checked once per adapter, read from disk when it gets a slot
+        if request not in self.adapters:
+            self.adapters[request] = read_adapter(request, self.config.hf_config,
+                                                  self.config.max_lora_rank, f"{name}: ")
         return self.adapters[request]
 
     def _make_request(self, name: str, prompt, params: SamplingParams | None,
@@ -176,14 +189,16 @@ class LLM(contextlib.AbstractContextManager):  # `with LLM(...) as llm:` closes 
         prompt = self._validate(name, prompt, params)
         adapter = self._adapter(name, lora_request)
         request_id = next(self.request_ids)
-        stop_ids = frozenset(params.stop_token_ids or ()) | (frozenset() if params.ignore_eos else self.eos_ids)
+        stop_ids = frozenset(params.stop_token_ids or ()) | (
+            frozenset() if params.ignore_eos else self.eos_ids)
         seqs = []
         for i in range(params.n):
             seq_id = next(self.seq_ids)
             # completion i's noise: its own seed + i, else one made of the engine's seed and its id
-            seed = xxhash.xxh32_intdigest(b"%d" % seq_id, self.config.seed) if params.seed is None else params.seed + i
-            seqs.append(Sequence(seq_id, prompt, params, self.config.kvcache_block_size, seed, stop_ids, adapter,
-                                 request_id))
+            seed = xxhash.xxh32_intdigest(b"%d" % seq_id, self.config.seed) if params.seed is None \
+                else params.seed + i
+            seqs.append(Sequence(seq_id, prompt, params, self.config.kvcache_block_size, seed,
+                                 stop_ids, adapter, request_id))
         seqs[0].forks = seqs[1:]  # computed once by the first, then forked (scheduler.py)
         self.scheduler.waiting.append(seqs[0])
         request = Request(request_id, prompt, seqs, self.tokenizer)
@@ -206,11 +221,16 @@ class LLM(contextlib.AbstractContextManager):  # `with LLM(...) as llm:` closes 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    def chat_prompt(self, conversation: list[dict], chat_template_kwargs: dict | None = None) -> list[int]:
-        """A conversation's token ids: the tokenizer's chat template, with the assistant's turn opened."""
+    def chat_prompt(self, conversation: list[dict],
+                    chat_template_kwargs: dict | None = None) -> list[int]:
+        """A conversation's token ids: the tokenizer's chat template, with the assistant's turn
+        opened."""
         if not getattr(self.tokenizer, "chat_template", None):  # (no tokenizer: None has none)
-            raise ValueError(f"model {self.config.model!r} has no chat template in its tokenizer: use generate")
-        text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True,
+            raise ValueError(
+                f"model {self.config.model!r} has no chat template in its tokenizer: use generate")
+        text = self.tokenizer.apply_chat_template(conversation,
+                                                  tokenize=False,
+                                                  add_generation_prompt=True,
                                                   **(chat_template_kwargs or {}))
         return self.tokenizer.encode(text, add_special_tokens=False)  # the template has them
 
@@ -236,7 +256,9 @@ class LLM(contextlib.AbstractContextManager):  # `with LLM(...) as llm:` closes 
                     changed[seq.request_id] = request
                     if (stop := request.update_text(seq)) is not None:
                         self.scheduler.finish(seq, "stop", stop)  # (nothing if it finished already)
-                        seq.finish_reason, seq.stop_reason = "stop", stop  # outranks the length limit
+                        # outranks the length limit
+                        seq.finish_reason = "stop"
+                        seq.stop_reason = stop
         except BaseException:  # nothing in flight can be trusted: every request ends, freed
             with contextlib.suppress(Exception):  # a broken device must not hide the original error
                 torch.cuda.synchronize()  # (without CUDA this raises too: nothing to wait for)
@@ -255,8 +277,9 @@ class LLM(contextlib.AbstractContextManager):  # `with LLM(...) as llm:` closes 
                  lora_request: ManyLoRARequests = None) -> list[dict]:
         with self.driving():
             if self.requests:
-                raise RuntimeError(f"{len(self.requests)} requests from add_request are unfinished: "
-                                   "step them to the end or abort them before generate")
+                raise RuntimeError(
+                    f"{len(self.requests)} requests from add_request are unfinished: "
+                    "step them to the end or abort them before generate")
             if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
                 raise ValueError("prompts must be a list of prompts (str or list of token ids)")
             per_prompt = []  # the sampling params and the lora requests: one for all, or one each
@@ -273,17 +296,22 @@ class LLM(contextlib.AbstractContextManager):  # `with LLM(...) as llm:` closes 
                 self.scheduler.waiting.clear()
                 self.requests.clear()
                 raise
-            with tqdm(total=len(requests), desc="Generating", disable=not use_tqdm, dynamic_ncols=True) as bar:
+            with tqdm(total=len(requests),
+                      desc="Generating",
+                      disable=not use_tqdm,
+                      dynamic_ncols=True) as bar:
                 while self.requests or self.in_flight:
                     bar.update(sum(request.finished for request in self._step()))
             return [request.result() for request in requests]
 
     def chat(self, messages, sampling_params: ManySamplingParams = None, use_tqdm: bool = True,
-             lora_request: ManyLoRARequests = None, chat_template_kwargs: dict | None = None) -> list[dict]:
+             lora_request: ManyLoRARequests = None,
+             chat_template_kwargs: dict | None = None) -> list[dict]:
         """generate() on conversations (one: a list of {"role", "content"} dicts; or a list of them)
         through the tokenizer's chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.chat_prompt(conversation, chat_template_kwargs) for conversation in conversations]
+        prompts = [self.chat_prompt(conversation, chat_template_kwargs)
+                   for conversation in conversations]
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def stats(self) -> dict:

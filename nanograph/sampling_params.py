@@ -23,7 +23,8 @@ class SamplingParams:
     max_tokens: int = 64
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
-    seed: int | None = None        # own random stream: same output whatever the batch (n > 1: seed + i)
+    # own random stream: same output whatever the batch (n > 1: seed + i)
+    seed: int | None = None
     stop: str | list[str] | None = None   # stop strings: the text is cut where one appears
     include_stop_str_in_output: bool = False
     n: int = 1                     # completions of the prompt; the prompt is computed once
@@ -46,12 +47,15 @@ class SamplingParams:
             if (getattr(self, name) or 0) < low:
                 raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")
         if self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens ({self.min_tokens}) is above max_tokens ({self.max_tokens})")
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) is above max_tokens ({self.max_tokens})")
         ids = self.stop_token_ids
-        if ids is not None and not (isinstance(ids, (list, tuple)) and all(is_int(i) and i >= 0 for i in ids)):
+        if ids is not None and not (isinstance(ids, (list, tuple))
+                                    and all(is_int(i) and i >= 0 for i in ids)):
             raise ValueError(f"stop_token_ids must be a list of token ids >= 0, got {ids!r}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         stop = self.stop
-        if stop is not None and not (isinstance(stop, (list, tuple)) and all(isinstance(s, str) and s for s in stop)):
+        if stop is not None and not (isinstance(stop, (list, tuple))
+                                     and all(isinstance(s, str) and s for s in stop)):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {stop!r}")

@@ -78,7 +78,8 @@ class BlockManager:
             block.ref_count += 1
             seq.block_table.append(block.block_id)
             prefix_hash = block.hash
-        hits = len(seq.block_table)  # the cached prefix stops at the first miss; the rest gets fresh blocks
+        # the cached prefix stops at the first miss; the rest gets fresh blocks
+        hits = len(seq.block_table)
         seq.block_table += [self._take_free_block() for _ in range(hits, seq.num_blocks)]
         # Even a fully cached prompt recomputes its last token: its logits give the next token.
         seq.num_computed_tokens = min(hits * self.block_size, len(seq) - 1)
@@ -90,9 +91,9 @@ class BlockManager:
             child.block_table = [self._take_free_block()]
 
     def register_computed_blocks(self, seq: Sequence, num_computed):
-        """Enter the blocks of `seq` that its first `num_computed` tokens fill into the prefix cache.
-        (The caller passes the count of a step that has run: `seq.num_computed_tokens` already
-        counts steps still in flight, whose placeholder tokens cannot be hashed.)"""
+        """Enter the blocks of `seq` that its first `num_computed` tokens fill into the prefix
+        cache. (The caller passes the count of a step that has run: `seq.num_computed_tokens`
+        already counts steps still in flight, whose placeholder tokens cannot be hashed.)"""
         if not self.enable_prefix_caching:
             return
         for i in range(seq.num_hashed_blocks, num_computed // self.block_size):

@@ -31,12 +31,12 @@ Which graphs. Keys are (decode rows d, prefill tokens p, LoRA rank bucket):
   that holds its largest adapter rank, and a step without adapters the rank-0 graph.
 - Mixed graphs (the decode rows, then prefill chunks: scheduler.py): a grid of decode buckets
   (powers of two) by prefill-token buckets (powers of two from 64 up to the mixed-step budget),
-  with room for MIXED_PREFILL_CHUNKS chunks. A step's decode rows take the smallest decode bucket that holds
-  them and its chunks' tokens the smallest prefill bucket: since d + p stays within the budget,
-  a larger decode bucket needs only the smaller prefill buckets, which keeps the grid to about
-  three times the decode ladder. The prefill kernel's grid comes from p, never from the live
-  chunks. Only each chunk's last token (and each decode row) goes through the LM head and the
-  sampler. Mixed graphs run the base model only (a step with adapters runs eagerly), and only
+  with room for MIXED_PREFILL_CHUNKS chunks. A step's decode rows take the smallest decode bucket
+  that holds them and its chunks' tokens the smallest prefill bucket: since d + p stays within
+  the budget, a larger decode bucket needs only the smaller prefill buckets, which keeps the grid
+  to about three times the decode ladder. The prefill kernel's grid comes from p, never from the
+  live chunks. Only each chunk's last token (and each decode row) goes through the LM head and
+  the sampler. Mixed graphs run the base model only (a step with adapters runs eagerly), and only
   with the triton attention backend (the others size prefill attention on the host).
 Prefill-only steps (nothing decodes), steps above the largest graph and the rest run eagerly,
 counted (`stats()`): the hit rates and the padding waste (padded rows or tokens / real ones) say
@@ -84,7 +84,8 @@ def mixed_grid(max_bs, budget: int):
     of them decoding and one prefilling, can need; both ladders powers of two (decode rows cost
     little next to prefill tokens, so the coarser ladder pads them for half the graphs)."""
     decode_ladder = [d for d in (1 << i for i in range(32)) if d < max_bs] + [max_bs]
-    prefill_ladder = [p for p in (MIN_PREFILL_BUCKET << i for i in range(32)) if p < budget] + [budget]
+    prefill_ladder = [p for p in (MIN_PREFILL_BUCKET << i for i in range(32))
+                      if p < budget] + [budget]
     grid = []
     for smaller, d in zip([0] + decode_ladder, decode_ladder):
         fewest_decodes = smaller + 1  # the fewest decode rows that take bucket d
@@ -125,7 +126,8 @@ class GraphStats:
             figures |= {f"{kind}_steps": steps,
                         f"{prefix}graph_replays": count,
                         f"{prefix}graph_hit_rate": count / max(1, steps),
-                        f"{prefix}padding_waste": (sum(t * n for t, n in replays.items()) - real) / max(1, real)}
+                        f"{prefix}padding_waste":
+                            (sum(t * n for t, n in replays.items()) - real) / max(1, real)}
         return {**figures,
                 "replays_per_bucket": dict(sorted(decode.items())),
                 "replays_per_lora_bucket": dict(sorted(lora.items()))}
@@ -137,7 +139,8 @@ class CudaGraphRunner:
         max_bs = config.cuda_graph_max_bs or min(config.max_num_seqs, 512)
         ladder = config.cuda_graph_sizes or bucket_ladder(max_bs)
         # no decode batch is larger than max_num_seqs
-        self.ladder = sorted({bs for bs in ladder if bs <= config.max_num_seqs} or {config.max_num_seqs})
+        self.ladder = sorted({bs for bs in ladder if bs <= config.max_num_seqs}
+                             or {config.max_num_seqs})
         self.ranks = [0] + (rank_buckets(config.max_lora_rank) if config.enable_lora else [])
         self.grid = []
         if config.attention_backend == "triton":
@@ -173,7 +176,8 @@ class CudaGraphRunner:
             with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                 forward(shape)
             self.graphs[shape] = graph
-            now_reserved, now_allocated = torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
+            now_reserved, now_allocated = torch.cuda.memory_reserved(), \
+                torch.cuda.memory_allocated()
             log.debug(f"graph {i + 1}/{len(shapes)}: {shape.decodes} decode rows + "
                       f"{shape.prefill_tokens} prefill tokens, LoRA rank {shape.lora_rank} | pool "
                       f"reserved {now_reserved / 2**20:.1f} MiB "

@@ -59,7 +59,8 @@ class ModelRunner:
         self.block_size = config.kvcache_block_size
         torch.manual_seed(config.seed)
         default_dtype = torch.get_default_dtype()
-        torch.set_default_dtype(config.torch_dtype)  # build the weights in their final dtype directly
+        # build the weights in their final dtype directly
+        torch.set_default_dtype(config.torch_dtype)
         with torch.device(self.device):
             self.model = DecoderForCausalLM(config.hf_config)
         torch.set_default_dtype(default_dtype)
@@ -78,12 +79,14 @@ class ModelRunner:
         # the static step buffers and outputs, for the largest step: eager or a graph's (padded)
         max_rows = config.max_num_seqs + MIXED_PREFILL_CHUNKS
         max_blocks = -(-config.max_model_len // self.block_size)
-        self.buffers = StepBuffers(config.max_num_batched_tokens + max_rows, max_rows, max_blocks, self.device)
+        self.buffers = StepBuffers(config.max_num_batched_tokens + max_rows, max_rows, max_blocks,
+                                   self.device)
         vocab = config.hf_config.vocab_size
         self.logits = torch.empty(max_rows, vocab, dtype=config.torch_dtype, device=self.device)
         self.sampled = torch.zeros(max_rows, dtype=torch.int64, device=self.device)
         self.tokens = TokenTable(vocab, max_rows, self.device)
-        self.graphs = None  # "no graphs" has one spelling: this stays None (run works before capture)
+        # "no graphs" has one spelling: this stays None (run works before capture)
+        self.graphs = None
         self.num_kv_blocks = self.allocate_kv_cache()
         # the torch backend (the oracle) reads lengths on the host: it cannot be captured
         capturable = self.device.type == "cuda" and config.attention_backend != "torch"
@@ -92,7 +95,8 @@ class ModelRunner:
 
     # ---- KV cache ------------------------------------------------------------------------
     def allocate_kv_cache(self):
-        block_bytes = 2 * len(self.attention_layers) * self.config.torch_dtype.itemsize * math.prod(self.kv_block_shape)
+        block_bytes = 2 * len(self.attention_layers) * self.config.torch_dtype.itemsize \
+            * math.prod(self.kv_block_shape)
         num_blocks = self.config.num_kvcache_blocks
         if num_blocks is None and self.device.type == "cuda":
             peak = self.measure_activation_peak()
@@ -102,12 +106,14 @@ class ModelRunner:
         elif num_blocks is None:
             needed = self.config.max_num_seqs * self.buffers.max_blocks
             num_blocks = min(needed, CPU_KV_CACHE_BYTES // block_bytes)
-        if dist.is_initialized():  # tensor parallel: the ranks share one block table, so the smallest cache wins
+        # tensor parallel: the ranks share one block table, so the smallest cache wins
+        if dist.is_initialized():
             t = torch.tensor([num_blocks], device=self.device)
             dist.all_reduce(t, op=dist.ReduceOp.MIN)
             num_blocks = int(t.item())
         if num_blocks < 1:
-            raise ValueError("no memory for the KV cache: lower max_num_batched_tokens or raise gpu_memory_utilization")
+            raise ValueError("no memory for the KV cache: lower max_num_batched_tokens or "
+                             "raise gpu_memory_utilization")
         self.bind_kv_cache(num_blocks)
         return num_blocks
 
@@ -115,14 +121,19 @@ class ModelRunner:
         self.kv_cache = torch.zeros(2, len(self.attention_layers), num_blocks, *self.kv_block_shape,
                                     dtype=self.config.torch_dtype, device=self.device)
         for i, attn in enumerate(self.attention_layers):
-            attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+            attn.k_cache = self.kv_cache[0, i]
+            attn.v_cache = self.kv_cache[1, i]
 
     def measure_activation_peak(self):
         """Run the largest prefill the scheduler can send once and return the activation memory it
         peaked at: the shape decides the memory, so its rows are all padding (no K/V written)."""
         tokens = self.config.max_num_batched_tokens
         chunks = max(1, min(self.config.max_num_seqs, tokens // self.config.max_model_len))
-        shape = StepShape(decodes=0, prefill_tokens=tokens, chunks=chunks, rows=chunks, max_chunk=tokens // chunks)
+        shape = StepShape(decodes=0,
+                          prefill_tokens=tokens,
+                          chunks=chunks,
+                          rows=chunks,
+                          max_chunk=tokens // chunks)
         self.bind_kv_cache(1)
         self.buffers.fill(StepInput(), shape)
         torch.cuda.synchronize(self.device)
@@ -137,7 +148,8 @@ class ModelRunner:
 
     # ---- one step --------------------------------------------------------------------------
     def upload(self, data, dtype: torch.dtype):
-        """A host list on the device without waiting for the GPU (pinned memory, non-blocking copy)."""
+        """A host list on the device without waiting for the GPU (pinned memory, non-blocking
+        copy)."""
         pinned = torch.tensor(data, dtype=dtype, pin_memory=self.device.type == "cuda")
         return pinned.to(self.device, non_blocking=True)
 
@@ -153,7 +165,8 @@ class ModelRunner:
         if n:
             md.decode = AttentionInputs(slots[:n], lens[:n], tables[:n])
         if shape.prefill_tokens:
-            md.prefill = AttentionInputs(slots[n:], lens[n:], tables[n:], inputs["cu_seqlens_q"], shape.max_chunk)
+            md.prefill = AttentionInputs(slots[n:], lens[n:], tables[n:], inputs["cu_seqlens_q"],
+                                         shape.max_chunk)
         set_step_metadata(md)
         hidden = self.model(self.tokens.resolve(inputs["input_ids"]), inputs["positions"])
         set_step_metadata(None)
@@ -161,14 +174,15 @@ class ModelRunner:
             hidden = hidden[inputs["sample_indices"]]
         rows = shape.rows
         self.logits[:rows] = self.model.lm_head(hidden)
-        self.sampled[:rows] = sample_softmax(self.logits[:rows], inputs["temperatures"], inputs["seeds"],
-                                             inputs["sample_lens"])
+        self.sampled[:rows] = sample_softmax(self.logits[:rows], inputs["temperatures"],
+                                             inputs["seeds"], inputs["sample_lens"])
         self.tokens.put(self.sampled[:rows])
 
     @torch.inference_mode()
     def run(self, step: StepInput):
         """The logits [rows, vocab] and sampled ids [rows] of the step's sampling rows; the ids
-        also go into the token table. Every tensor-parallel rank runs this and samples the same ids."""
+        also go into the token table. Every tensor-parallel rank runs this and samples the same
+        ids."""
         for slot, adapter in step.lora_loads:
             load_adapter(self.model, slot, adapter)
         exact = step.exact_shape()
@@ -185,7 +199,8 @@ class ModelRunner:
             inputs = self.buffers.views(shape)
             top = banned = None
             if step.top_ks is not None:
-                top = (self.upload(step.top_ks, torch.int64), self.upload(step.top_ps, torch.float32))
+                top = (self.upload(step.top_ks, torch.int64),
+                       self.upload(step.top_ps, torch.float32))
             if step.banned:
                 banned = tuple(self.upload(step.banned, torch.int64).T)
             sampled = sample(logits, inputs["temperatures"][:rows], inputs["seeds"][:rows],

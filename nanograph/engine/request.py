@@ -50,7 +50,8 @@ def find_stop(text: str, new_chars: int, stops: list[str]):
 
 
 class Request:
-    def __init__(self, request_id: int, prompt_token_ids: list[int], seqs: list[Sequence], tokenizer=None):
+    def __init__(self, request_id: int, prompt_token_ids: list[int], seqs: list[Sequence],
+                 tokenizer=None):
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.seqs = seqs  # its n completions
@@ -85,7 +86,8 @@ class Request:
         text = None
         if self.detokenizers is not None:
             text = self.detokenizers[i].text
-            if seq.status != Status.FINISHED and seq.params.stop:  # hold back a possible stop's start
+            # hold back a possible stop's start
+            if seq.status != Status.FINISHED and seq.params.stop:
                 text = text[:max(0, len(text) - max(map(len, seq.params.stop)) + 1)]
         return {"text": text,
                 "token_ids": seq.completion_token_ids,

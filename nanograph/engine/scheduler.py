@@ -59,7 +59,8 @@ from nanograph.engine.sequence import Sequence, Status
 @dataclass
 class Batch:
     """One scheduled step: the decode part, then the prefill part."""
-    seqs: list[Sequence]    # the first num_decodes decode one token each, the rest are prefill chunks
+    # the first num_decodes decode one token each, the rest are prefill chunks
+    seqs: list[Sequence]
     num_decodes: int
     num_tokens: list[int]   # per sequence: tokens computed this step (1 in the decode part)
     starts: list[int] = field(default_factory=list)  # per sequence: num_computed_tokens before
@@ -200,8 +201,10 @@ class Scheduler:
         return batch
 
     def at_length_limit(self, seq: Sequence, length: int):
-        """Whether a sequence of `length` tokens has no room for another (max_tokens, max_model_len)."""
-        return length - seq.num_prompt_tokens >= seq.params.max_tokens or length >= self.max_model_len
+        """Whether a sequence of `length` tokens has no room for another (max_tokens,
+        max_model_len)."""
+        return length - seq.num_prompt_tokens >= seq.params.max_tokens \
+            or length >= self.max_model_len
 
     def preempt(self, seq: Sequence):
         self.block_manager.free(seq)
@@ -214,7 +217,8 @@ class Scheduler:
         """Account for a collected step: each row's token (and its logprobs, when asked) into its
         sequence. Returns the sequences that got a token (finished ones with their reason)."""
         for seq, start, n in zip(batch.seqs, batch.starts, batch.num_tokens):
-            # blocks this step completed (none if it was preempted since: its counter went back to 0)
+            # blocks this step completed (none if it was preempted since: its counter went
+            # back to 0)
             if seq.status != Status.FINISHED:
                 computed = min(start + n, seq.num_computed_tokens)
                 self.block_manager.register_computed_blocks(seq, computed)

@@ -40,12 +40,14 @@ class StepInput:
     cu_seqlens_q: list[int] = field(default_factory=lambda: [0])  # offsets into the tokens
     # per sampling row
     sample_indices: list[int] = field(default_factory=list)  # the token whose logits it samples
-    sample_lens: list[int] = field(default_factory=list)     # that token's index in its sequence + 1
+    # that token's index in its sequence + 1
+    sample_lens: list[int] = field(default_factory=list)
     temperatures: list[float] = field(default_factory=list)  # 0 = greedy
     seeds: list[int] = field(default_factory=list)   # noise stream (layers/sampler.py), 31 bits
     top_ks: list[int] | None = None       # -1 = off; None: no row uses top-k / top-p
     top_ps: list[float] | None = None
-    num_logprobs: list[int] | None = None  # top log-probabilities to return, -1 = none; None: no row
+    # top log-probabilities to return, -1 = none; None: no row
+    num_logprobs: list[int] | None = None
     banned: list[tuple[int, int]] = field(default_factory=list)  # (row, token) masked: min_tokens
     # per step
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # after the forward: forks
@@ -91,14 +93,16 @@ def build_step(batch: Batch, block_size) -> StepInput:
                      lora_rank=batch.lora_rank,
                      lora_loads=batch.lora_loads)
     if batch.lora_slots is not None:
-        step.lora_slots = [slot for slot, n in zip(batch.lora_slots, batch.num_tokens) for _ in range(n)]
+        step.lora_slots = [slot for slot, n in zip(batch.lora_slots, batch.num_tokens)
+                           for _ in range(n)]
     width = max(len(seq.block_table) for seq in batch.seqs)
     for seq, start, n in zip(batch.seqs, batch.starts, batch.num_tokens):
         end = start + n
         step.input_ids += seq.token_ids[start:end]
         step.positions += range(start, end)
         table = seq.block_table
-        step.slot_mapping += [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+        step.slot_mapping += [table[p // block_size] * block_size + p % block_size
+                              for p in range(start, end)]
         step.context_lens.append(end)
         step.block_tables.append(table + [-1] * (width - len(table)))
         step.cu_seqlens_q.append(len(step.input_ids))
@@ -128,8 +132,9 @@ class StepBuffers:
     while step N's copy may not have run yet; step N-1, which used the other mirror, has been
     collected by then, so that mirror is free."""
 
-    # field -> (what it is per, its value in padding): token 0 at position 0, no cache slot, no
-    # adapter, no context, greedy; a padded chunk has length 0 (it ends where the last real one does)
+    # field -> (what it is per, its value in padding): token 0 at position 0, no cache slot,
+    # no adapter, no context, greedy; a padded chunk has length 0 (it ends where the last real
+    # one does)
     FIELDS = {"input_ids": ("token", 0), "positions": ("token", 0), "slot_mapping": ("token", -1),
               "lora_slots": ("token", -1), "context_lens": ("seq", 0), "sample_indices": ("row", 0),
               "sample_lens": ("row", 0), "temperatures": ("row", 0), "seeds": ("row", 0),
@@ -146,7 +151,10 @@ class StepBuffers:
 
     def layout(self, shape: StepShape) -> dict[str, slice]:
         """Where each field of a step of `shape` lies, the block tables last."""
-        lengths = {"token": shape.tokens, "seq": shape.seqs, "row": shape.rows, "chunk": shape.chunks + 1}
+        lengths = {"token": shape.tokens,
+                   "seq": shape.seqs,
+                   "row": shape.rows,
+                   "chunk": shape.chunks + 1}
         slices, start = {}, 0
         for name, (per, _) in self.FIELDS.items():
             slices[name] = slice(start, start + lengths[per])

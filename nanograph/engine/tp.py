@@ -53,15 +53,19 @@ from nanograph.config import Config
 from nanograph.engine.model_runner import ModelRunner
 from nanograph.engine.step import StepInput
 
-STEP_TIMEOUT = datetime.timedelta(minutes=10)  # a collective inside a step (or start-up) waits at most this
-IDLE_TIMEOUT = datetime.timedelta(days=365)    # a worker waits this long for the next step
+# a collective inside a step (or start-up) waits at most this
+STEP_TIMEOUT = datetime.timedelta(minutes=10)
+# a worker waits this long for the next step
+IDLE_TIMEOUT = datetime.timedelta(days=365)
 
 
 def init_distributed(config: Config, rank: int, store: dist.Store):
     """Join the default group (model collectives)."""
     if (cuda := config.device.startswith("cuda")):
         torch.cuda.set_device(rank)
-    else:  # the ranks share the cores: oversubscribed, OpenMP's spinning threads starve the other ranks
+    else:
+        # the ranks share the cores: oversubscribed, OpenMP's spinning threads starve
+        # the other ranks
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tensor_parallel_size))
     dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank,
                             world_size=config.tensor_parallel_size, timeout=STEP_TIMEOUT)
@@ -76,13 +80,17 @@ def broadcast_step(step: StepInput | None, group) -> StepInput | None:
 
 
 def worker_main(config: Config, rank: int, port: int):
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the parent, which then shuts us down
-    threading.Thread(target=lambda: (mp.parent_process().join(), os._exit(1)), daemon=True).start()  # orphaned: exit
-    store = dist.TCPStore("127.0.0.1", port, config.tensor_parallel_size, is_master=False, timeout=STEP_TIMEOUT)
+    # Ctrl-C is for the parent, which then shuts us down
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # orphaned: exit
+    threading.Thread(target=lambda: (mp.parent_process().join(), os._exit(1)), daemon=True).start()
+    store = dist.TCPStore("127.0.0.1", port, config.tensor_parallel_size,
+                          is_master=False, timeout=STEP_TIMEOUT)
     store.add("workers_connected", 1)
     init_distributed(config, rank, store)
     runner = ModelRunner(config, rank)
-    group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)  # for the per-step control messages
+    # for the per-step control messages
+    group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
     while (step := broadcast_step(None, group)) is not None:
         runner.run(step)  # samples the same ids as rank 0
     runner.close()  # its graphs hold references on the NCCL communicator: free them before it goes
@@ -119,15 +127,21 @@ class TensorParallelRunner(ModelRunner):
     def __init__(self, config: Config):
         n = config.tensor_parallel_size
         if config.device.startswith("cuda") and torch.cuda.device_count() < n:
-            raise ValueError(f"tensor_parallel_size={n} but only {torch.cuda.device_count()} GPUs are visible")
+            raise ValueError(
+                f"tensor_parallel_size={n} but only {torch.cuda.device_count()} GPUs are visible")
         self.group_ref = [None]
-        store = dist.TCPStore("127.0.0.1", 0, n, is_master=True, wait_for_workers=False, timeout=STEP_TIMEOUT)
-        ctx = mp.get_context("spawn")  # spawned children inherit os.environ (NCCL settings included)
+        store = dist.TCPStore("127.0.0.1", 0, n,
+                              is_master=True,
+                              wait_for_workers=False,
+                              timeout=STEP_TIMEOUT)
+        # spawned children inherit os.environ (NCCL settings included)
+        ctx = mp.get_context("spawn")
         self.procs = [ctx.Process(target=worker_main, args=(config, rank, store.port), daemon=True,
                                   name=f"nanograph-tp-rank{rank}") for rank in range(1, n)]
         for p in self.procs:
             p.start()
-        self._finalizer = weakref.finalize(self, shutdown, self.procs, self.group_ref, torch.get_num_threads())
+        self._finalizer = weakref.finalize(self, shutdown, self.procs, self.group_ref,
+                                           torch.get_num_threads())
         try:
             while store.add("workers_connected", 0) < n - 1:  # wait for the workers, watching them
                 if (dead := self.dead_worker(wait_s=0.05)):
@@ -135,7 +149,8 @@ class TensorParallelRunner(ModelRunner):
             init_distributed(config, 0, store)
             # every rank builds its runner (and runs its own warm-up forwards) before steps are sent
             super().__init__(config, 0)
-            self.group_ref[0] = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)  # as the workers do, in order
+            # as the workers do, in order
+            self.group_ref[0] = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
         except BaseException as e:
             self.fail(e)
 
@@ -143,14 +158,17 @@ class TensorParallelRunner(ModelRunner):
         """A message naming the first worker that has exited, waiting up to wait_s for one to."""
         ready = wait([p.sentinel for p in self.procs], timeout=wait_s)
         for rank, p in enumerate(self.procs, 1):
-            if p.sentinel in ready:  # its end of the pipe closed as it exited: the exit code follows
+            # its end of the pipe closed as it exited: the exit code follows
+            if p.sentinel in ready:
                 p.join(timeout=10)
                 return f"tensor-parallel worker rank {rank} died (exit code {p.exitcode})"
         return None
 
     def fail(self, error: BaseException):
-        """The ranks may be out of step now: shut everything down, name a dead worker if there is one."""
-        dead = self.dead_worker(wait_s=1.0)  # a worker's death reaches rank 0 as a failed collective (RuntimeError)
+        """The ranks may be out of step now: shut everything down, name a dead worker if there is
+        one."""
+        # a worker's death reaches rank 0 as a failed collective (RuntimeError)
+        dead = self.dead_worker(wait_s=1.0)
         for p in self.procs:
             p.kill()
         self.close()
@@ -167,7 +185,8 @@ class TensorParallelRunner(ModelRunner):
             self.fail(e)
 
     def run(self, step: StepInput):
-        """Every rank runs `step`: send it (once the workers wait for steps), then compute rank 0's share."""
+        """Every rank runs `step`: send it (once the workers wait for steps), then compute rank 0's
+        share."""
         if self.group_ref[0] is not None:
             broadcast_step(step, self.group_ref[0])
         return super().run(step)

@@ -75,15 +75,20 @@ def triton_prefill(q, k_cache, v_cache, inputs: AttentionInputs, scale: float):
 def flash_attn_prefill(q, k_cache, v_cache, inputs: AttentionInputs, scale: float):
     from flash_attn import flash_attn_varlen_func
     cu_k = F.pad(inputs.context_lens.cumsum(0, dtype=torch.int32), (1, 0))
-    return flash_attn_varlen_func(q, k_cache, v_cache, inputs.cu_seqlens_q, cu_k, inputs.max_seqlen_q,
-                                  int(inputs.context_lens.max()), softmax_scale=scale, causal=True,
+    return flash_attn_varlen_func(q, k_cache, v_cache, inputs.cu_seqlens_q, cu_k,
+                                  inputs.max_seqlen_q, int(inputs.context_lens.max()),
+                                  softmax_scale=scale,
+                                  causal=True,
                                   block_table=inputs.block_tables)
 
 
 def flash_attn_decode(q, k_cache, v_cache, inputs: AttentionInputs, scale: float):
     from flash_attn import flash_attn_with_kvcache
-    out = flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=inputs.context_lens,
-                                  block_table=inputs.block_tables, softmax_scale=scale, causal=True)
+    out = flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache,
+                                  cache_seqlens=inputs.context_lens,
+                                  block_table=inputs.block_tables,
+                                  softmax_scale=scale,
+                                  causal=True)
     return out.squeeze(1)
 
 
@@ -118,8 +123,9 @@ class Attention(nn.Module):
     def attend(self, positions, q, k, v, inputs: AttentionInputs, decode: bool):
         if decode and self.backend == "triton":  # one kernel rotates, stores and attends
             from nanograph.kernels.paged_decode import paged_decode_attention
-            return paged_decode_attention(q, k, v, positions, inputs.slot_mapping, *self.rotary, self.k_cache,
-                                          self.v_cache, inputs.block_tables, inputs.context_lens, self.scale)
+            return paged_decode_attention(q, k, v, positions, inputs.slot_mapping, *self.rotary,
+                                          self.k_cache, self.v_cache, inputs.block_tables,
+                                          inputs.context_lens, self.scale)
         if self.backend == "torch":
             rotate_and_store = torch_rotate_and_store
         else:

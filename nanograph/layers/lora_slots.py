@@ -38,8 +38,8 @@ GEMV, which computes rstd(v) for the deferred norm anyway, applies it. Two shrin
 is the embedding), a producer with a bias (A' b would be missing) and tensor parallelism (the
 producer's x W^T is a partial sum per rank) have no fold: in a LoRA step their norms run as a
 kernel and their consumers shrink the normed x. The cost: each producer's slot buffer grows by
-the fold (bf16, max_loras 4, max_lora_rank 64: 273 MiB more on Qwen3-0.6B, 1.24 GiB on Qwen3-8B), and
-each adapter load does two matmuls per fold. Measured: README, "Multi-LoRA".
+the fold (bf16, max_loras 4, max_lora_rank 64: 273 MiB more on Qwen3-0.6B, 1.24 GiB on
+Qwen3-8B), and each adapter load does two matmuls per fold. Measured: README, "Multi-LoRA".
 """
 import torch
 
@@ -59,12 +59,14 @@ def lora_targets(model):
 
 
 def add_lora_buffers(model, max_loras, max_rank):
-    """The slots of every target layer; a producer's lora_a also has room for its fold, after its own parts."""
+    """The slots of every target layer; a producer's lora_a also has room for its fold, after its
+    own parts."""
     folds = {producer: [consumer] for producer, consumer, _ in model.lora_folds()}
     for layer in lora_targets(model):
         # a producer's A: its own parts, then its consumer's (whose inputs follow its own)
         modules = [layer, *folds.get(layer, [])]
-        parts, width = sum(len(m.part_starts) for m in modules), sum(m.weight.shape[1] for m in modules)
+        parts = sum(len(m.part_starts) for m in modules)
+        width = sum(m.weight.shape[1] for m in modules)
         layer.lora_a = layer.weight.new_zeros(max_loras, parts, max_rank, width)
         layer.lora_b = layer.weight.new_zeros(max_loras, layer.weight.shape[0], max_rank)
 
@@ -78,10 +80,13 @@ def load_adapter(model, slot: int, adapter: Adapter):
         fused, shard_id = model.packed_modules.get(name, (name, None))
         layer = model.get_submodule(f"{parent}.{fused}")
         layer.load_lora(slot, shard_id, a, b)  # (cast to the slots' dtype as they are copied in)
-    for producer, consumer, norm in model.lora_folds():  # [A' (W + B A) | A'], A' = A diag(norm weight)
-        k, a, b = producer.weight.shape[1], producer.lora_a[slot, 0].float(), producer.lora_b[slot].float()
+    # [A' (W + B A) | A'], A' = A diag(norm weight)
+    for producer, consumer, norm in model.lora_folds():
+        k, a, b = producer.weight.shape[1], producer.lora_a[slot, 0].float(), \
+            producer.lora_b[slot].float()
         folded = consumer.lora_a[slot].float() * norm.weight.float()  # [parts, R, hidden]
-        producer.lora_a[slot, 1:] = torch.cat([folded @ (producer.weight.float() + b @ a[:, :k]), folded], -1)
+        producer.lora_a[slot, 1:] = torch.cat([folded @ (producer.weight.float() + b @ a[:, :k]),
+                                               folded], -1)
 
 
 def lora_active(layer):
@@ -122,9 +127,13 @@ def linear_with_lora(layer, x, bias):
         lora_expand(y, *lora_inputs(x, layer))
         return y
     parts = list(zip(layer.part_starts, layer.part_starts[1:] + (y.shape[1],)))
-    for slot in range(layer.lora_a.shape[0]):  # every slot over every row: each row keeps only its own slot's delta
-        # h: [rows, parts, rank] (a producer's buffers also hold a fold: its own parts and columns only)
-        h = torch.einsum("tk,prk->tpr", x, layer.lora_a[slot, :len(parts), :md.lora_rank, :x.shape[1]])
-        delta = torch.cat([h[:, p] @ layer.lora_b[slot, s:e, :md.lora_rank].T for p, (s, e) in enumerate(parts)], 1)
+    # every slot over every row: each row keeps only its own slot's delta
+    for slot in range(layer.lora_a.shape[0]):
+        # h: [rows, parts, rank] (a producer's buffers also hold a fold: its own parts and
+        # columns only)
+        h = torch.einsum("tk,prk->tpr", x,
+                         layer.lora_a[slot, :len(parts), :md.lora_rank, :x.shape[1]])
+        delta = torch.cat([h[:, p] @ layer.lora_b[slot, s:e, :md.lora_rank].T
+                           for p, (s, e) in enumerate(parts)], 1)
         y += delta * (md.lora_slots == slot)[:, None]
     return y

@@ -46,21 +46,26 @@ def mix32(x):
 def sample_softmax(logits, temperatures, seeds, lengths):
     """logits [B, V]; per row its temperature (0 = greedy), seed and length (the index of the token
     being sampled) -> token ids [B]."""
-    key = mix32(mix32(seeds.long() & MASK32) ^ lengths.long())[:, None]  # one stream per (seed, index)
+    # one stream per (seed, index)
+    key = mix32(mix32(seeds.long() & MASK32) ^ lengths.long())[:, None]
     token = torch.arange(logits.shape[-1], device=logits.device)
-    bits = mix32((mix32(key ^ token) + key) & MASK32)  # adding the key again: rows whose keys differ
-    uniform = ((bits >> 8).float() + 0.5) / 2**24       # only in low bits do not share their noise
-    tempered = logits.float() / temperatures.clamp(min=1e-5)[:, None] - torch.log(-torch.log(uniform))
+    # adding the key again: rows whose keys differ only in low bits do not share their noise
+    bits = mix32((mix32(key ^ token) + key) & MASK32)
+    uniform = ((bits >> 8).float() + 0.5) / 2**24
+    tempered = logits.float() / temperatures.clamp(min=1e-5)[:, None] \
+        - torch.log(-torch.log(uniform))
     return chunked_argmax(torch.where((temperatures == 0)[:, None], logits.float(), tempered))
 
 
 def chunked_argmax(scores):
-    """argmax over the vocabulary in two stages: within chunks of VOCAB_CHUNK, all in parallel, then
-    over the chunks' maxima. One reduction per row would run on one thread block per row: at batch 1,
-    a 150k-long reduction on one of the GPU's 132 multiprocessors. Ties go to the first index."""
+    """argmax over the vocabulary in two stages: within chunks of VOCAB_CHUNK, all in parallel,
+    then over the chunks' maxima. One reduction per row would run on one thread block per row: at
+    batch 1, a 150k-long reduction on one of the GPU's 132 multiprocessors. Ties go to the first
+    index."""
     b, v = scores.shape
     num_chunks = -(-v // VOCAB_CHUNK)
-    chunks = F.pad(scores, (0, -v % VOCAB_CHUNK), value=float("-inf")).view(b, num_chunks, VOCAB_CHUNK)
+    chunks = F.pad(scores, (0, -v % VOCAB_CHUNK),
+                   value=float("-inf")).view(b, num_chunks, VOCAB_CHUNK)
     best, index = chunks.max(dim=-1)                 # [B, chunks]
     chunk = best.argmax(dim=-1, keepdim=True)        # the first chunk holding the row's maximum
     return (chunk * VOCAB_CHUNK + index.gather(-1, chunk))[:, 0]
@@ -70,7 +75,9 @@ def top_k_top_p_filter(logits, top_ks, top_ps):
     """Set to -inf every logit outside the row's top-k, then outside its top-p nucleus."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     rank = torch.arange(logits.shape[-1], device=logits.device)
-    sorted_logits.masked_fill_((rank[None, :] >= top_ks[:, None]) & (top_ks[:, None] > 0), float("-inf"))  # k < 1: off
+    # k < 1: off
+    sorted_logits.masked_fill_((rank[None, :] >= top_ks[:, None]) & (top_ks[:, None] > 0),
+                               float("-inf"))
     probs = sorted_logits.softmax(dim=-1)
     # drop a token when the more likely ones already reach top_p (the first is always kept)
     sorted_logits.masked_fill_(probs.cumsum(dim=-1) - probs >= top_ps[:, None], float("-inf"))

@@ -15,8 +15,8 @@ from torch import nn
 
 from nanograph.layers.attention import Attention
 from nanograph.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
-from nanograph.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
-                                     gemv_max_rows, tp_size, use_gemv)
+from nanograph.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
+                                     RowParallelLinear, gemv_max_rows, tp_size, use_gemv)
 from nanograph.layers.norm import RMSNorm
 from nanograph.layers.rotary import RotaryEmbedding
 from nanograph.utils.compile import cuda_compiled
@@ -51,7 +51,8 @@ class DecoderAttention(nn.Module):
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size,
                                         bias and cfg.model_type != "qwen2")
-        qk_norm = cfg.model_type == "qwen3"  # Qwen3's per-head qk-norm, applied (fused with rotary) by attn
+        # Qwen3's per-head qk-norm, applied (fused with rotary) by attn
+        qk_norm = cfg.model_type == "qwen3"
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.attn = Attention(self.head_dim ** -0.5, rope, self.q_norm, self.k_norm)
@@ -66,12 +67,14 @@ class DecoderMLP(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         bias = getattr(cfg, "mlp_bias", False)
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias)
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size,
+                                                       [cfg.intermediate_size] * 2, bias)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias)
 
     def forward(self, x, residual):
         # the GEMV applies the activation itself (after the LoRA delta, kernels/gemv.py)
-        gate_up = self.gate_up_proj(x, silu_and_mul=True) if use_gemv(x) else silu_and_mul(self.gate_up_proj(x))
+        gate_up = self.gate_up_proj(x, silu_and_mul=True) if use_gemv(x) \
+            else silu_and_mul(self.gate_up_proj(x))
         return self.down_proj(gate_up, residual)
 
 
@@ -95,7 +98,9 @@ class DecoderModel(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        rope = dict(getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {})
+        rope = dict(getattr(cfg, "rope_parameters", None)
+                    or getattr(cfg, "rope_scaling", None)
+                    or {})
         rope.setdefault("rope_theta", getattr(cfg, "rope_theta", 10000.0))
         rotary = RotaryEmbedding(head_dim(cfg), cfg.max_position_embeddings, rope)
         self.layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(cfg.num_hidden_layers))
@@ -110,13 +115,17 @@ class DecoderModel(nn.Module):
 
 class DecoderForCausalLM(nn.Module):
     # checkpoint name fragment -> (fused parameter fragment, shard id)
-    packed_modules = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
-                      "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    packed_modules = {"q_proj": ("qkv_proj", "q"),
+                      "k_proj": ("qkv_proj", "k"),
+                      "v_proj": ("qkv_proj", "v"),
+                      "gate_proj": ("gate_up_proj", 0),
+                      "up_proj": ("gate_up_proj", 1)}
 
     def __init__(self, cfg):
         super().__init__()
         if cfg.model_type not in ("llama", "qwen2", "qwen3"):
-            raise ValueError(f"model_type {cfg.model_type!r} is not supported (llama, qwen2, qwen3 are)")
+            raise ValueError(
+                f"model_type {cfg.model_type!r} is not supported (llama, qwen2, qwen3 are)")
         self.model = DecoderModel(cfg)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         if cfg.tie_word_embeddings:
@@ -136,6 +145,8 @@ class DecoderForCausalLM(nn.Module):
         residual stream). With one rank and no bias in the producer, the consumer's LoRA shrink
         folds into the producer's (layers/lora_slots.py)."""
         layers = self.model.layers
-        folds = [(layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.post_attention_layernorm) for layer in layers]
-        folds += [(a.mlp.down_proj, b.self_attn.qkv_proj, b.input_layernorm) for a, b in zip(layers, layers[1:])]
+        folds = [(layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.post_attention_layernorm)
+                 for layer in layers]
+        folds += [(a.mlp.down_proj, b.self_attn.qkv_proj, b.input_layernorm)
+                  for a, b in zip(layers, layers[1:])]
         return [fold for fold in folds if fold[0].bias is None] if tp_size() == 1 else []
