@@ -27,7 +27,9 @@ reference run. benchmarks/<section>.py has its code and says why its figures com
 - `--serving`: a server's view through the engine step API (continuous admission, long prompts,
   Poisson arrivals): tokens/s, time to first token, inter-token latency, under the decode-first
   rule and the old prefill-first one side by side.
-- `--all`: `--decode-sweep --compare --ladders --overlap --lora 4 --serving`.
+- `--serving-http`: its Poisson workloads in process and through the OpenAI-compatible server on
+  127.0.0.1 (a subprocess): tokens/s, TTFT and ITL side by side, the HTTP layer's cost.
+- `--all`: `--decode-sweep --compare --ladders --overlap --lora 4 --serving --serving-http`.
 
 `--shape a,b` runs every section once per shape, `--attention-backend a,b` once per backend,
 `--model` on a real checkpoint instead of a shape. `--quick --device cpu` runs every section on a
@@ -51,6 +53,7 @@ from benchmarks.peers import PEER_DIR, peer_job
 from benchmarks.plot import write_plot
 from benchmarks.run import section_run
 from benchmarks.serving import section_serving
+from benchmarks.serving_http import section_serving_http
 from benchmarks.shapes import BENCH_SHAPES
 from benchmarks.workloads import REFERENCE_OUTPUT_TOKENS
 
@@ -101,8 +104,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--serving", action="store_true",
                    help="serving latency through the step API (TTFT, ITL, tokens/s), decode-first "
                         "vs prefill-first scheduling")
+    p.add_argument("--serving-http", action="store_true",
+                   help="the serving section's Poisson workloads in process and through the "
+                        "server on 127.0.0.1 (TTFT, ITL, tokens/s)")
     p.add_argument("--all", action="store_true",
-                   help="--decode-sweep --compare --ladders --overlap --lora 4 --serving")
+                   help="--decode-sweep --compare --ladders --overlap --lora 4 --serving "
+                        "--serving-http")
     # the sections' settings
     p.add_argument("--hf-seqs", type=int, default=32,
                    help="HF runs the first N sequences of the workload (default 32; 256 = all of "
@@ -132,8 +139,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--lora N needs N >= 0 and --lora-rank R >= 1")
     if args.all:
         args.decode_sweep = args.compare = args.ladders = args.overlap = args.serving = True
+        args.serving_http = True
         args.lora = args.lora or 4
-    other_sections = args.ladders or args.decode_sweep or args.lora or args.serving
+    other_sections = (args.ladders or args.decode_sweep or args.lora or args.serving
+                      or args.serving_http)
     args.run_default = args.run or args.compare or args.overlap or not other_sections
     args.sweep_max_bs = args.sweep_max_bs or (8 if args.quick else 256)
     args.sweep_context_len = args.sweep_context_len or (32 if args.quick else 512)
@@ -165,6 +174,8 @@ def run_sections(setup: Setup) -> dict:
         report["ladders"] = section_ladders(setup)
     if args.serving:
         report["serving"] = section_serving(setup)
+    if args.serving_http:
+        report["serving_http"] = section_serving_http(setup)
     return report
 
 

@@ -7,7 +7,8 @@ Shared by every section:
     report.py        one run's figures (RunResult) and the tables they print as
     harness.py       Setup (one shape's settings, builds engines) and timing a generate call
     runner.py        the only place bench reaches into the engine: a hand-built decode step
-    checkpoint.py    the shape's random weights as a checkpoint, for engines without dummy weights
+    checkpoint.py    the shape's random weights as a checkpoint, for engines without dummy weights;
+                     a word-level tokenizer for a vocabulary
 
 One module per section, each with an entry `section_<name>(setup)` that prints its tables and
 returns its figures:
@@ -19,6 +20,8 @@ returns its figures:
     lora.py          multi-LoRA: step cost, capture cost, end to end
     serving.py       a server's view through the step API: TTFT, inter-token latency, tokens/s,
                      decode-first against prefill-first scheduling
+    serving_http.py  serving.py's Poisson workloads in process and through the OpenAI-compatible
+                     server on 127.0.0.1 (a subprocess): the HTTP layer's cost
     plot.py          --plot's figure from the JSON report
 
 A new section is a module with its `section_<name>(setup) -> dict`, a flag in bench.py's

@@ -32,10 +32,8 @@ def load_hf_model(setup: Setup, attn_implementation: str):
 def write_checkpoint(setup: Setup) -> str:
     """The shape's random weights as a checkpoint the peers load: HF's random init (seed 0) in the
     run's dtype, saved as safetensors with its config.json (whose `dtype` nano-vllm builds the model
-    in), and a word-level tokenizer, "t0" .. "t<vocab-1>", with the config's EOS and BOS (nano-vllm
-    reads EOS from a tokenizer; the prompts are token ids, so nothing else uses it)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    in), and a word-level tokenizer (nano-vllm reads EOS from a tokenizer; the prompts are token
+    ids, so nothing else uses it)."""
     path = os.path.join(setup.tmp, f"{setup.name}-checkpoint")
     print(f"  [peers] writing the random-weight checkpoint to {path} ...", flush=True)
     model = load_hf_model(setup, "sdpa")
@@ -43,9 +41,21 @@ def write_checkpoint(setup: Setup) -> str:
     config = model.config
     del model
     report_leftover_memory("the checkpoint's model")
+    write_tokenizer(path, config)
+    return path
+
+
+def write_tokenizer(path: str, config) -> None:
+    """A word-level tokenizer for the vocabulary of `config` (an HF config), saved in `path`: token
+    i is the word "t<i>", so every token decodes to text of its own, and the config's EOS and BOS
+    (the first of a list) are its special tokens."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
     vocab = {f"t{i}": i for i in range(config.vocab_size)}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=f"t{config.eos_token_id}",
-                            bos_token=f"t{config.bos_token_id}").save_pretrained(path)
-    return path
+    special = {}
+    for name, ids in (("eos_token", config.eos_token_id), ("bos_token", config.bos_token_id)):
+        if ids is not None:
+            special[name] = f"t{ids[0] if isinstance(ids, list) else ids}"
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, **special).save_pretrained(path)

@@ -39,15 +39,18 @@ class Setup:
     tmp: str  # the run's temporary directory (model configs, LoRA adapters)
     attention_backend: str = "auto"  # one of --attention-backend's, set by main for each in turn
 
-    def llm(self, **overrides):
-        from nanograph import LLM
+    def llm_kwargs(self, **overrides) -> dict:
+        """The LLM's keyword arguments: the run's settings, then `overrides`."""
         kwargs = dict(load_format=self.load_format, dtype=self.dtype, device=self.device,
                       max_model_len=self.args.max_model_len, tensor_parallel_size=self.args.tp,
                       attention_backend=self.attention_backend)
         if self.args.num_kvcache_blocks:
             kwargs["num_kvcache_blocks"] = self.args.num_kvcache_blocks
-        kwargs.update(overrides)
-        return LLM(self.model_dir, **kwargs)
+        return kwargs | overrides
+
+    def llm(self, **overrides):
+        from nanograph import LLM
+        return LLM(self.model_dir, **self.llm_kwargs(**overrides))
 
 
 def build_setup(args: argparse.Namespace, tmp: str, name: str) -> Setup:

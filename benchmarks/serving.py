@@ -40,9 +40,9 @@ Capped so that the section takes about 3 minutes for the Qwen3-0.6B shape on an 
 The step API hands out every request's whole completion each step: host work that `generate`
 does not do. Compare tokens/s here rule against rule, and against `--run` with that in mind.
 
-Extension point: `drive` reaches the engine through a `Client`; `StepClient` is the step API in
-this process. A client of the OpenAI-compatible server (the same workloads over HTTP on
-127.0.0.1) fits the same protocol: see `http_client`.
+`drive` reaches the engine through a `Client`: `StepClient` is the step API in this process;
+serving_http.py's `HttpClient` is the OpenAI-compatible server over HTTP (--serving-http: the
+Poisson workloads both ways, so the HTTP layer's cost shows).
 """
 import gc
 import math
@@ -68,8 +68,10 @@ RULES = {"decode-first": False, "prefill-first": True}
 
 @dataclass
 class LatencyTrace:
-    """What a client saw, in seconds from the start: when each request arrived, when each of its
-    tokens came back and in which step (one `Client.step` call)."""
+    """What a client saw, in seconds from `start` (a time.perf_counter() reading): when each
+    request arrived, when each of its tokens came back and in which step (one `Client.step`
+    call)."""
+    start: float = field(default_factory=time.perf_counter)
     arrival: dict = field(default_factory=dict)        # request -> seconds
     token_times: dict = field(default_factory=dict)    # request -> seconds, one per token
     token_steps: dict = field(default_factory=dict)    # request -> step index, one per token
@@ -82,14 +84,16 @@ class LatencyTrace:
         self.arrival[request] = at
         self.token_times[request], self.token_steps[request] = [], []
 
-    def stepped(self, at: float, totals: list[tuple[Hashable, int]]) -> None:
-        """A step returned at `at` with (request, its output tokens so far) pairs."""
+    def stepped(self, at: float, totals: list[tuple]) -> None:
+        """A step returned at `at` with `Client.step`'s entries: (request, its output tokens so
+        far), or (request, its output tokens so far, the perf_counter() reading when they came)."""
         if self.last_return is not None:
             self.step_intervals.append(at - self.last_return)
         self.last_return = at
-        for request, total in totals:
+        for request, total, *came in totals:
+            when = came[0] - self.start if came else at
             new = total - len(self.token_times[request])
-            self.token_times[request] += [at] * new  # k at once: one gap, then k - 1 of zero
+            self.token_times[request] += [when] * new  # k at once: one gap, then k - 1 of zero
             self.token_steps[request] += [self.steps] * new
         self.steps += 1
 
@@ -115,9 +119,11 @@ class Client(Protocol):
     def add(self, prompt: list[int], params) -> Hashable:
         """Send a request now; returns its key in the trace."""
 
-    def step(self, timeout: float | None) -> list[tuple[Hashable, int]]:
+    def step(self, timeout: float | None) -> list[tuple]:
         """Advance: (request, its output tokens so far) for each request that got tokens. A
-        client that waits for tokens returns by `timeout` seconds (the next arrival is due)."""
+        client that waits for tokens returns by `timeout` seconds (the next arrival is due). A
+        client that knows when tokens came adds that time.perf_counter() reading to the entry,
+        one entry per arrival, in order; else they count as come when `step` returns."""
 
     def busy(self) -> bool:
         """Whether a request sent is unfinished."""
@@ -138,22 +144,12 @@ class StepClient:
         return self.llm.has_unfinished_requests()
 
 
-# ---- extension point: the same workloads through the OpenAI-compatible server -----------------
-def http_client(base_url: str = "http://127.0.0.1:8000") -> Client:
-    """NOT IMPLEMENTED. A Client of `python -m nanograph.serve MODEL --host 127.0.0.1`: `add`
-    would open a streaming POST /v1/completions (the prompt's token ids, max_tokens, temperature,
-    ignore_eos, "stream": true) on a thread of its own and return its key; `step` would wait for
-    streamed chunks until one comes or `timeout` passes and return each stream's token count so
-    far; `busy`, whether a stream is open. `drive` and LatencyTrace then measure the server as
-    its clients see it (a step is then a poll; steps by kind would come from /metrics)."""
-    raise NotImplementedError(f"http_client({base_url!r}): an extension point, not written yet")
-
-
 def drive(client: Client, workload: Workload, arrivals: list[float]) -> LatencyTrace:
     """Send each request once its arrival time (seconds from the start, in order) has passed;
     step while anything is unfinished; when nothing is, sleep until the next arrival."""
     pending = deque(zip(arrivals, workload.prompts, workload.sampling_params()))
-    trace, start = LatencyTrace(), time.perf_counter()
+    trace = LatencyTrace()
+    start = trace.start
     while pending or client.busy():
         now = time.perf_counter() - start
         while pending and pending[0][0] <= now:
@@ -231,9 +227,11 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 @dataclass
 class Target:
-    """One of issue 43's targets for a workload, on an H100 (Qwen3-0.6B shape)."""
+    """One of issue 43's or 45's targets for a workload, on an H100 (Qwen3-0.6B shape)."""
     text: str
-    met: Callable[[ServingResult, ServingResult], bool]  # (decode-first, prefill-first)
+    # (the result judged, the one it is judged against): (decode-first, prefill-first) here,
+    # (HTTP, in process) in serving_http.py
+    met: Callable[[ServingResult, ServingResult], bool]
 
 
 TARGET_64 = Target("ITL p99 <= 1.5x p50 and <= 0.5x old's; tok/s >= 1.10x old's",
@@ -285,10 +283,16 @@ def serving_runs(setup: Setup, scale: Scale) -> list[ServingRun]:
     reference, few = setup.workload, scale.few_seqs
     long = make_workload(*scale.long_prompts, max_token_id=setup.max_token_id)
     at_once = [0.0] * reference.num_seqs
-    runs = [ServingRun(f"reference, {few} seqs", reference, few, at_once, TARGET_64),
+    return [ServingRun(f"reference, {few} seqs", reference, few, at_once, TARGET_64),
             ServingRun("reference, 512 seqs", reference, 512, at_once, TARGET_512),
             ServingRun(f"long prompts, {few} seqs", long, few, [0.0] * long.num_seqs),
-            ServingRun("long prompts, 512 seqs", long, 512, [0.0] * long.num_seqs, TARGET_LONG)]
+            ServingRun("long prompts, 512 seqs", long, 512, [0.0] * long.num_seqs, TARGET_LONG),
+            *poisson_runs(setup, scale)]
+
+
+def poisson_runs(setup: Setup, scale: Scale) -> list[ServingRun]:
+    """The reference workload's first requests, arriving at each of the scale's rates."""
+    reference, runs = setup.workload, []
     for rate in scale.rates:
         n = min(scale.max_requests, reference.num_seqs, math.ceil(rate * scale.arrival_seconds))
         runs.append(ServingRun(f"Poisson {rate:g} req/s, {n} requests", reference.head(n), 512,
@@ -296,12 +300,19 @@ def serving_runs(setup: Setup, scale: Scale) -> list[ServingRun]:
     return runs
 
 
+def warmup_run(setup: Setup) -> ServingRun:
+    return ServingRun("warm-up", setup.warmup, 512, [0.0] * setup.warmup.num_seqs)
+
+
+def serving_knobs(setup: Setup, scale: Scale) -> dict:
+    """The section's engine, as `Setup.llm`'s overrides: graphs up to 512 sequences, no prefix
+    caching, room for the long prompts."""
+    return dict(max_num_seqs=512, enable_prefix_caching=False,
+                max_model_len=max(setup.args.max_model_len, scale.max_model_len), **scale.budgets)
+
+
 def serving_engine(setup: Setup, scale: Scale):
-    """The section's engine: graphs up to 512 sequences, no prefix caching, room for the long
-    prompts."""
-    return setup.llm(max_num_seqs=512, enable_prefix_caching=False,
-                     max_model_len=max(setup.args.max_model_len, scale.max_model_len),
-                     **scale.budgets)
+    return setup.llm(**serving_knobs(setup, scale))
 
 
 def run_rule(llm, setup: Setup, run: ServingRun, rule: str) -> ServingResult:
@@ -390,9 +401,8 @@ def section_serving(setup: Setup) -> dict:
         engine = engine_figures(llm)
         skipped = [run.name for run in runs if not run.fits(llm.config.max_model_len)]
         runs = [run for run in runs if run.name not in skipped]
-        warmup = ServingRun("warm-up", setup.warmup, 512, [0.0] * setup.warmup.num_seqs)
         for rule in RULES:
-            run_rule(llm, setup, warmup, rule)
+            run_rule(llm, setup, warmup_run(setup), rule)
         results = [run_rule(llm, setup, run, rule) for run in runs for rule in RULES]
         sweep = budget_sweep(llm, setup, runs, results)
     finally:

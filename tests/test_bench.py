@@ -15,7 +15,7 @@ sys.path.insert(0, ROOT)  # bench.py and benchmarks/ live at the repository root
 
 import bench  # noqa: E402
 from benchmarks import checkpoint, compare, decode_sweep, harness, ladders, lora, peers  # noqa: E402
-from benchmarks import serving, shapes, timing, workloads  # noqa: E402
+from benchmarks import serving, serving_http, shapes, timing, workloads  # noqa: E402
 from benchmarks.report import RunResult  # noqa: E402
 
 
@@ -243,6 +243,8 @@ def test_lora_flags():
 def test_serving_flags():
     assert bench.parse_args(["--serving"]).run_default is False  # alone, only its section runs
     assert bench.parse_args(["--all"]).serving is True
+    assert bench.parse_args(["--serving-http"]).run_default is False
+    assert bench.parse_args(["--all"]).serving_http is True
 
 
 class FakeClient:
@@ -282,6 +284,48 @@ def test_drive_traces_what_a_client_sees():
     assert max(trace.step_intervals) < 0.09 and all(t < 0.09 for t in trace.ttfts())
     two = serving.drive(FakeClient(per_step=2), workloads.Workload([[1]], [3]), [0.0])
     assert two.token_steps == {0: [0, 0, 1]} and two.gaps(two.token_times)[0] == 0.0
+
+
+def test_tokens_count_when_the_client_says_they_came():
+    """A client that stamps its tokens (HttpClient: when each chunk arrived) is taken at its word:
+    two tokens in one poll are two times, not one."""
+    trace = serving.LatencyTrace()
+    trace.arrive("r", 0.0)
+    trace.stepped(0.5, [("r", 1, trace.start + 0.1), ("r", 2, trace.start + 0.3)])
+    trace.stepped(0.6, [("r", 3)])  # without a time: when the step returned
+    assert trace.token_times["r"] == pytest.approx([0.1, 0.3, 0.6])
+    assert trace.token_steps["r"] == [0, 0, 1]
+
+
+def test_server_flags_are_the_engine_knobs():
+    knobs = dict(device="cpu", max_num_seqs=512, enable_prefix_caching=False, enforce_eager=True)
+    assert serving_http.as_flags(knobs) == ["--device", "cpu", "--max-num-seqs", "512",
+                                            "--no-enable-prefix-caching", "--enforce-eager"]
+
+
+def test_quick_serving_http_section(tmp_path):
+    """--serving-http on the CPU: each Poisson workload in process and through a server
+    subprocess; every request finishes both ways, with every token counted over HTTP."""
+    out = tmp_path / "b.json"
+    bench.main(["--quick", "--device", "cpu", "--serving-http", "--json", str(out)])
+    section = json.loads(out.read_text())["shapes"]["qwen3-0.6b"]["serving_http"]
+    assert "--no-enable-prefix-caching" in section["server_flags"]
+    assert section["server_startup_seconds"] > 0
+    rows, reference = section["runs"], workloads.quick_workload()
+    assert [r["workload"] for r in rows] == ["Poisson 10 req/s, 8 requests",
+                                             "Poisson 40 req/s, 8 requests"]
+    for row in rows:
+        local, http = row["in_process"], row["http"]
+        for r in (local, http):
+            assert (r["requests"], r["output_tokens"]) == (8, reference.output_tokens)
+            assert r["tokens_per_s"] > 0
+            for key in ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99"):
+                assert r[key] > 0, key
+        assert http["step_p50"] is None and local["step_p50"] > 0  # over HTTP a step is a poll
+        for key in ("itl_p99", "ttft_p50"):
+            assert row[f"{key}_http_vs_in_process"] == pytest.approx(http[key] / local[key])
+        assert row["met"] is None  # judged on full GPU runs only
+    assert rows[0]["target"].startswith("ITL p99 over HTTP <= 1.2x") and rows[1]["target"] is None
 
 
 def test_quick_serving_section(tmp_path):

@@ -1,0 +1,366 @@
+"""--serving-http: the serving section's Poisson workloads in process and through the
+OpenAI-compatible server on 127.0.0.1, side by side, so that the HTTP layer's cost shows.
+
+What is measured. The same requests at the same rates (serving.py's `poisson_runs`: the reference
+workload's first requests, EOS ignored), each driven by serving.py's `drive` twice:
+(a) in process, through the engine step API (`StepClient`): a token counts when `step()` returns
+    it;
+(b) through `python -m nanograph.serve` in a subprocess on 127.0.0.1, each request a streamed
+    POST /v1/completions (`HttpClient`): a token counts when its server-sent event arrives.
+From each: tokens/s, TTFT p50/p99 and ITL p50/p99, as serving.py defines them, and HTTP over in
+process for ITL p99 and TTFT p50. The difference is what a client pays for the server: the
+engine thread's hand-off to the event loop, the JSON chunks, the socket, the client's parsing.
+
+Why the two compare. One engine at a time (the in-process one is closed before the server
+starts: each sizes its KV cache from free memory), both from the same knobs (serving.py's
+`serving_knobs`: max_num_seqs 512, no prefix caching, the run's device, dtype and token budgets),
+under the engine's own rule (decode-first), each warmed up on the warm-up workload first, on the
+same model directory: the shape's config.json (or --model's files) with a word-level tokenizer
+(checkpoint.write_tokenizer) in place of any other. A model without a tokenizer streams empty
+text, so the tokenizer is what gives every token a chunk; the engine in process detokenizes too.
+
+One chunk is one token. The server sends one chunk per engine step per completion that has new
+text; a step gives a completion (n = 1) one token; every token of the word-level tokenizer is
+text ("t<id>", special tokens too: the requests ask for skip_special_tokens false). The stream's
+usage chunk checks the count at its end.
+
+The client is one asyncio event loop in the bench's process for every stream (as vLLM's
+benchmark_serving has): its reads are part of what is measured, and with many streams open (the
+highest rates) a share of the HTTP figures is the client's own.
+
+Target (issue 45, H100, Qwen3-0.6B shape): ITL p99 over HTTP <= 1.2x in process at a rate that
+does not saturate the engine: judged at the lowest rate (4 req/s), on full CUDA runs only.
+Needs the server's dependencies (the `serve` extra) and httpx.
+"""
+import asyncio
+import contextlib
+import dataclasses
+import gc
+import itertools
+import json
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+from benchmarks.checkpoint import write_tokenizer
+from benchmarks.harness import Setup, report_leftover_memory
+from benchmarks.report import cell, ms, print_table
+from benchmarks.serving import (FULL, QUICK, Scale, ServingResult, ServingRun, Target, drive,
+                                engine_figures, poisson_runs, print_engine, ratio, run_rule,
+                                serving_engine, serving_knobs, warmup_run)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the server's PYTHONPATH
+POLL_SECONDS = 0.5      # HttpClient.step returns after this long even if no chunk came
+READY_SECONDS = 900.0   # the server's build (weights, KV cache, graph capture), at most
+STOP_SECONDS = 30.0     # after SIGTERM, before the server is killed
+TARGET_HTTP = Target("ITL p99 over HTTP <= 1.2x in process",
+                     lambda http, local: http.itl_p99 <= 1.2 * local.itl_p99)
+TOKENIZER_FILES = {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
+                   "chat_template.jinja"}
+
+
+# ---- the client --------------------------------------------------------------------------------
+
+@dataclass
+class HttpClient:
+    """A serving.Client of a running nanograph server. Each request is a streamed POST
+    /v1/completions (its token ids, max_tokens, temperature, ignore_eos; special tokens as
+    text), read on one asyncio event loop in a background thread, which notes when each chunk
+    arrived. One chunk is one token (see the module docstring: one chunk per engine step per
+    completion with new text, one token per step at n = 1, every token text).
+
+    A step is a poll: `step` waits until some stream has sent a chunk (or `timeout`, or
+    POLL_SECONDS, has passed), then returns (request, tokens so far, when it arrived) for every
+    chunk since the last poll, so that LatencyTrace counts arrivals, not polls."""
+    url: str
+    # from the reader: (request, tokens so far, perf_counter()) per chunk, then at the stream's
+    # end (request, None, None or the exception that ended it)
+    events: queue.Queue = field(default_factory=queue.Queue, init=False)
+    unended: set = field(default_factory=set, init=False)  # requests whose end `step` has not seen
+    keys: itertools.count = field(default_factory=itertools.count, init=False)
+
+    def __post_init__(self):
+        import httpx
+        unlimited = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        self.http = httpx.AsyncClient(base_url=self.url, timeout=None, limits=unlimited)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="bench-http-client",
+                                       daemon=True)
+        self.thread.start()
+
+    def add(self, prompt: list[int], params) -> int:
+        key = next(self.keys)
+        body = {"prompt": prompt, "max_tokens": params.max_tokens,
+                "temperature": params.temperature, "ignore_eos": params.ignore_eos,
+                "skip_special_tokens": False, "stream": True,
+                "stream_options": {"include_usage": True}}
+        self.unended.add(key)
+        asyncio.run_coroutine_threadsafe(self.read(key, body), self.loop)
+        return key
+
+    def step(self, timeout: float | None = None) -> list[tuple[int, int, float]]:
+        wait = POLL_SECONDS if timeout is None else max(0.0, min(timeout, POLL_SECONDS))
+        try:
+            events = [self.events.get(timeout=wait)]
+        except queue.Empty:
+            return []
+        while not self.events.empty():  # (one consumer: what is there stays there)
+            events.append(self.events.get_nowait())
+        arrived = []
+        for key, tokens, when in events:
+            if tokens is not None:
+                arrived.append((key, tokens, when))
+                continue
+            self.unended.discard(key)
+            if when is not None:
+                raise RuntimeError(f"request {key} over HTTP failed: {when!r}") from when
+        return arrived
+
+    def busy(self) -> bool:
+        return bool(self.unended)
+
+    async def read(self, key: int, body: dict) -> None:
+        """One request's stream, on the event loop: an event per chunk with text, then its end."""
+        tokens, error = 0, None
+        try:
+            async with self.http.stream("POST", "/v1/completions", json=body) as response:
+                if response.status_code != 200:
+                    text = (await response.aread()).decode()
+                    raise RuntimeError(f"status {response.status_code}: {text}")
+                async for line in response.aiter_lines():
+                    when = time.perf_counter()
+                    if not line.startswith("data: {"):  # the blank line after each; [DONE]
+                        continue
+                    chunk = json.loads(line.removeprefix("data: "))
+                    if "error" in chunk:
+                        raise RuntimeError(chunk["error"]["message"])
+                    if chunk["choices"] and chunk["choices"][0]["text"]:
+                        tokens += 1
+                        self.events.put((key, tokens, when))
+                    counted = chunk.get("usage", {}).get("completion_tokens", tokens)
+                    if counted != tokens:
+                        raise RuntimeError(f"{tokens} chunks with text, {counted} tokens")
+        except Exception as e:  # (not a cancellation: close's)
+            error = e
+        self.events.put((key, None, error))
+
+    async def shutdown(self) -> None:
+        streams = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+        for task in streams:
+            task.cancel()
+        await asyncio.gather(*streams, return_exceptions=True)
+        await self.http.aclose()
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.shutdown(), self.loop).result()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join()
+        self.loop.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+# ---- the server --------------------------------------------------------------------------------
+
+def as_flags(knobs: dict) -> list[str]:
+    """LLM keyword arguments as nanograph-serve's flags (one per Config field: serve/cli.py)."""
+    flags = []
+    for name, value in knobs.items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(flag if value else flag.replace("--", "--no-", 1))
+        else:
+            flags += [flag, str(value)]
+    return flags
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServerProcess:
+    """`python -m nanograph.serve MODEL --host 127.0.0.1` on a free port, with the LLM's knobs as
+    flags and its output in `log`; entered once /health answers 200, left by SIGTERM (and a kill
+    if it lingers)."""
+    model_dir: str
+    knobs: dict
+    log: str
+    port: int = field(default_factory=free_port)
+    startup_seconds: float | None = None  # from the start to /health's 200
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self):
+        command = [sys.executable, "-m", "nanograph.serve", self.model_dir, "--host", "127.0.0.1",
+                   "--port", str(self.port), *as_flags(self.knobs)]
+        path = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
+        start = time.perf_counter()
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen(command, env={**os.environ, "PYTHONPATH": path},
+                                         stdout=log, stderr=subprocess.STDOUT)
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        self.startup_seconds = time.perf_counter() - start
+        return self
+
+    def wait_ready(self) -> None:
+        import httpx
+        deadline = time.monotonic() + READY_SECONDS
+        while self.proc.poll() is None and time.monotonic() < deadline:
+            with contextlib.suppress(httpx.TransportError):  # the port is not open yet
+                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                    return
+            time.sleep(0.1)
+        with open(self.log) as f:
+            tail = f.read()[-3000:]
+        raise RuntimeError(f"the server did not become ready (exit status {self.proc.poll()}); "
+                           f"the end of its log, {self.log}:\n{tail}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(STOP_SECONDS)
+        except subprocess.TimeoutExpired:
+            print(f"  (the server outlived SIGTERM by {STOP_SECONDS:.0f} s: killed)")
+            self.proc.kill()
+            self.proc.wait()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def tokenized_model_dir(setup: Setup) -> str:
+    """The setup's model with a word-level tokenizer in place of its own (its other files
+    linked), in the run's temporary directory; made once."""
+    from transformers import AutoConfig
+    path = os.path.join(setup.tmp, os.path.basename(setup.model_dir.rstrip("/")) + "-tokenized")
+    if not os.path.isdir(path):
+        os.makedirs(path)
+        for name in set(os.listdir(setup.model_dir)) - TOKENIZER_FILES:
+            os.symlink(os.path.join(setup.model_dir, name), os.path.join(path, name))
+        write_tokenizer(path, AutoConfig.from_pretrained(setup.model_dir))
+    return path
+
+
+# ---- the runs ----------------------------------------------------------------------------------
+
+def run_in_process(setup: Setup, scale: Scale, runs: list[ServingRun]) -> tuple[dict, list]:
+    """The runs through the step API on an engine of the section's knobs, freed at the end:
+    (its figures, a ServingResult per run)."""
+    llm = serving_engine(setup, scale)
+    try:
+        engine = engine_figures(llm)
+        run_rule(llm, setup, warmup_run(setup), "decode-first")
+        results = [run_rule(llm, setup, run, "decode-first") for run in runs]
+    finally:
+        llm.close()
+        del llm
+        report_leftover_memory("the in-process engine")
+    return engine, results
+
+
+def run_http(client: HttpClient, run: ServingRun) -> ServingResult:
+    gc.collect()  # not in the middle of a run
+    result = ServingResult.of(run.name, "decode-first", run.max_num_seqs,
+                              drive(client, run.workload, run.arrivals), {"steps": {}})
+    return dataclasses.replace(result, gap_steps_max=None, step_p50=None)  # polls, not steps
+
+
+@dataclass
+class PathsRow:
+    """One workload in process and over HTTP: a pair of rows of the table."""
+    run: ServingRun
+    local: ServingResult
+    http: ServingResult
+    judge: bool
+
+    @property
+    def itl_p99_ratio(self) -> float | None:
+        return ratio(self.http.itl_p99, self.local.itl_p99)
+
+    @property
+    def ttft_p50_ratio(self) -> float | None:
+        return ratio(self.http.ttft_p50, self.local.ttft_p50)
+
+    @property
+    def target(self) -> str | None:
+        return self.run.target.text if self.run.target else None
+
+    @property
+    def met(self) -> bool | None:
+        if self.run.target is None or not self.judge:
+            return None
+        return self.run.target.met(self.http, self.local)
+
+    def to_dict(self) -> dict:
+        return {"workload": self.run.name, "in_process": self.local.to_dict(),
+                "http": self.http.to_dict(), "itl_p99_http_vs_in_process": self.itl_p99_ratio,
+                "ttft_p50_http_vs_in_process": self.ttft_p50_ratio, "target": self.target,
+                "met": self.met}
+
+
+def print_paths(rows: list[PathsRow]) -> None:
+    table = []
+    for row in rows:
+        for path, r in (("in process", row.local), ("HTTP", row.http)):
+            figures = [f"{r.tokens_per_s:,.0f}", cell(ms(r.ttft_p50), ".1f"),
+                       cell(ms(r.ttft_p99), ".1f"), cell(ms(r.itl_p50), ".2f"),
+                       cell(ms(r.itl_p99), ".2f")]
+            ratios = ["-"] * 4
+            if r is row.http:
+                met = "-" if row.met is None else "yes" if row.met else "NO"
+                ratios = [cell(row.itl_p99_ratio, ".3f", "x"), cell(row.ttft_p50_ratio, ".3f", "x"),
+                          row.target or "-", met]
+            table.append([row.run.name, path, *figures, *ratios])
+    print_table("Serving in process (the step API) and over HTTP (nanograph.serve on 127.0.0.1, "
+                "streamed /v1/completions), the same Poisson workloads, decode-first; ms; a token "
+                "counts when step() returns it / when its chunk arrives",
+                ["workload", "path", "tok/s", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99",
+                 "ITL p99 HTTP/in", "TTFT p50 HTTP/in", "target", "met"], table)
+    print("  target: issue 45, on an H100, Qwen3-0.6B shape, at a rate that does not saturate "
+          "the engine (the lowest); judged on full runs on CUDA only")
+
+
+def section_serving_http(setup: Setup) -> dict:
+    scale = QUICK if setup.args.quick else FULL
+    setup = dataclasses.replace(setup, model_dir=tokenized_model_dir(setup))
+    runs = poisson_runs(setup, scale)
+    runs[0] = dataclasses.replace(runs[0], target=TARGET_HTTP)  # the lowest rate
+    print(f"  [serving-http] {len(runs)} Poisson workloads in process, then through a server on "
+          f"127.0.0.1 ...", flush=True)
+    engine, local = run_in_process(setup, scale, runs)
+    knobs = setup.llm_kwargs(**serving_knobs(setup, scale))
+    with (ServerProcess(setup.model_dir, knobs, setup.model_dir + ".server.log") as server,
+          HttpClient(server.url) as client):
+        drive(client, setup.warmup, warmup_run(setup).arrivals)
+        http = [run_http(client, run) for run in runs]
+    print_engine(engine)
+    print(f"  the server: ready {server.startup_seconds:.1f} s after its start (build, KV cache, "
+          f"graphs); {' '.join(as_flags(knobs))}")
+    judge = engine["num_graphs"] is not None and not setup.args.quick
+    rows = [PathsRow(*paths, judge) for paths in zip(runs, local, http)]
+    print_paths(rows)
+    return {"engine": engine, "server_flags": as_flags(knobs),
+            "server_startup_seconds": server.startup_seconds,
+            "runs": [row.to_dict() for row in rows]}
