@@ -5,12 +5,12 @@ Python, the CPU cannot keep the GPU busy (at batch 1 the launches take longer th
 A CUDA graph records the whole launch sequence once; a replay submits it with one call.
 
 What makes replay possible:
-- Static buffers. A graph replays fixed pointers, so every input lives in a buffer allocated
-  once for the largest graph: token ids, positions, slot mapping, context lengths, the block
-  tables [max sequences, max_blocks_per_seq], the sampling rows' inputs. They are slices of ONE
-  int32 device tensor, so `replay` fills a pinned host mirror and makes a single host-to-device
-  copy per step. Input ids may be placeholders for tokens the previous step sampled
-  (docs/walkthrough.md): the graph's first op swaps them in from the device.
+- Static buffers. A graph replays fixed pointers, so every input lives in the runner's
+  `StepBuffers` (engine/step.py), one int32 device tensor allocated once for the largest step:
+  token ids, positions, slot mapping, context lengths, block tables, the sampling rows' inputs,
+  laid out by the graph's shape, so its views never move. Before a replay the runner fills them
+  with one host-to-device copy. Input ids may be placeholders for tokens the previous step
+  sampled (docs/walkthrough.md): the graph's first op swaps them in from the device.
 - Buckets. A graph also fixes its shapes, so a live step runs on the smallest graph that holds
   it. The rows it does not fill are padding, neutralised by slot -1 (their K/V is written
   nowhere), context length 0 (attention reads nothing) and, in the prefill part, chunks of
