@@ -17,7 +17,7 @@ one query per sequence.
   kernels/paged_decode.py, which at small batch does it inside its attention kernel, one
   dependent launch fewer per layer.
 - `flash_attn`: flash-attn's paged kernels (varlen prefill, `flash_attn_with_kvcache` decode)
-  after the fused rotate-and-store kernel of `triton`; needs block size 256. Tested on an H100
+  after the fused rotate-and-store kernel of `triton`; needs block size 256. Tested on a GPU
   against `torch`, but by name only: `auto` takes `triton`, which measured faster at small-batch
   decode (its kernel rotates, stores and attends inside the PDL chain) and as fast end to end
   (docs/performance.md, "Attention backends").

@@ -18,9 +18,7 @@ all. The delta `y += (x A^T) B^T` of each row is computed
   capturable, so each (batch, rank) bucket has its own graph (cuda_graph.py). Where the product
   is one of gemv.py's (up to 16 rows, `lora_inputs`) that kernel adds the delta after a shrink
   kernel (before the activation it applies to [gate | up]); after a cuBLAS product
-  (`linear_with_lora`) the expand kernel adds it. (The shrink on a side stream beside cuBLAS's
-  product helped up to 16 rows and cost 1-2% at 32-64, README "Multi-LoRA"; since gemv.py's
-  kernels took those rows, it runs in line.)
+  (`linear_with_lora`) the expand kernel adds it, in line.
 - otherwise (larger prefills, the CPU) in plain torch, every slot over all rows, each row keeping
   its own slot's delta (no host sync, no index lists): the oracle.
 
@@ -39,7 +37,8 @@ is the embedding), a producer with a bias (A' b would be missing) and tensor par
 producer's x W^T is a partial sum per rank) have no fold: in a LoRA step their norms run as a
 kernel and their consumers shrink the normed x. The cost: each producer's slot buffer grows by
 the fold (bf16, max_loras 4, max_lora_rank 64: 273 MiB more on Qwen3-0.6B, 1.24 GiB on
-Qwen3-8B), and each adapter load does two matmuls per fold. Measured: README, "Multi-LoRA".
+Qwen3-8B), and each adapter load does two matmuls per fold. Measured: docs/performance.md,
+"Multi-LoRA"; the side-stream shrink and other attempts: docs/experiments.md.
 """
 import torch
 
