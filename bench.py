@@ -29,6 +29,7 @@ reference run. benchmarks/<section>.py has its code and says why its figures com
   rule and the old prefill-first one side by side.
 - `--serving-http`: its Poisson workloads in process and through the OpenAI-compatible server on
   127.0.0.1 (a subprocess): tokens/s, TTFT and ITL side by side, the HTTP layer's cost.
+- `--logprobs N`: every sequence of the workload asks for its top-N logprobs (what they cost).
 - `--all`: `--decode-sweep --compare --ladders --overlap --lora 4 --serving --serving-http`.
 
 `--shape a,b` runs every section once per shape, `--attention-backend a,b` once per backend,
@@ -123,6 +124,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--peer-timeout", type=float, default=600.0,
                    help="give up on a peer's subprocess after this many seconds "
                         "(start-up included)")
+    p.add_argument("--logprobs", type=int, metavar="N",
+                   help="every sequence of the workload asks for its top-N logprobs")
     p.add_argument("--mixed-budgets", type=lambda t: [int(b) for b in t.split(",")],
                    help="--serving: rerun its targeted workloads under these max_num_mixed_tokens")
     p.add_argument("--sweep-max-bs", type=int,
@@ -194,7 +197,8 @@ def main(argv=None) -> dict:
         if w.output_tokens == REFERENCE_OUTPUT_TOKENS:
             reference = " (the reference workload)"
         print(f"workload: {w.num_seqs} sequences, {w.prompt_tokens:,} prompt tokens, "
-              f"{w.output_tokens:,} output tokens{reference}")
+              f"{w.output_tokens:,} output tokens{reference}"
+              + (f", each asking for top-{w.logprobs} logprobs" if w.logprobs is not None else ""))
         for setup in setups:
             for backend in args.attention_backend:
                 setup.attention_backend = backend

@@ -11,7 +11,7 @@ import os
 import platform
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -74,8 +74,11 @@ def build_setup(args: argparse.Namespace, tmp: str, name: str) -> Setup:
         total = workload.output_tokens
         assert total == REFERENCE_OUTPUT_TOKENS, \
             f"reference workload has {total} output tokens, not {REFERENCE_OUTPUT_TOKENS}"
-    return Setup(args, name, model_dir, load_format, device, dtype, workload,
-                 warmup_workload(args.quick, max_token_id), max_token_id, tmp)
+    warmup = warmup_workload(args.quick, max_token_id)
+    if args.logprobs is not None:
+        workload, warmup = (replace(w, logprobs=args.logprobs) for w in (workload, warmup))
+    return Setup(args, name, model_dir, load_format, device, dtype, workload, warmup,
+                 max_token_id, tmp)
 
 
 def meta(setup: Setup, names: list[str]) -> dict:

@@ -6,7 +6,7 @@ randint(100, 1024)`; temperature 0.6 and EOS ignored, so the work is fixed by th
 133,966 output tokens in all. Prompts are token ids, so no tokenizer is involved.
 """
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from benchmarks.shapes import SHAPES
 
@@ -18,6 +18,7 @@ class Workload:
     prompts: list[list[int]]
     max_tokens: list[int]
     temperature: float = 0.6
+    logprobs: int | None = None  # `--logprobs N`: every sequence asks for its top-N logprobs
 
     @property
     def num_seqs(self) -> int:
@@ -32,11 +33,12 @@ class Workload:
         return sum(self.max_tokens)
 
     def head(self, n: int) -> "Workload":
-        return Workload(self.prompts[:n], self.max_tokens[:n], self.temperature)
+        return replace(self, prompts=self.prompts[:n], max_tokens=self.max_tokens[:n])
 
     def sampling_params(self):
         from nanograph import SamplingParams
-        return [SamplingParams(temperature=self.temperature, ignore_eos=True, max_tokens=n)
+        return [SamplingParams(temperature=self.temperature, ignore_eos=True, max_tokens=n,
+                               logprobs=self.logprobs)
                 for n in self.max_tokens]
 
     def summary(self) -> dict:

@@ -8,6 +8,9 @@ import torch
 
 from conftest import hf_greedy
 from nanograph import LLM, SamplingParams
+from nanograph.engine.block_manager import BlockManager
+from nanograph.engine.scheduler import Scheduler
+from nanograph.engine.sequence import Sequence
 from test_engine import assert_all_blocks_free, random_prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -179,3 +182,20 @@ def test_mixed_graphs_match_eager_mixed_steps(tiny_model, family):
     assert graphs == eager
     assert stats["mixed_steps"] >= 10 and stats["mixed_graph_hit_rate"] >= 0.9
     assert stats["graph_replays"] > 0 and len(stats["mixed_graph_grid"]) == 4
+
+
+def test_the_mixed_budget_follows_the_free_seats():
+    """A mixed step's tokens (decode rows included): max_num_mixed_tokens by the share of seats
+    not decoding, never under an eighth of it; a prefill-only step gets max_num_batched_tokens."""
+    params = SamplingParams(max_tokens=100, ignore_eos=True)
+    for num_short, mixed_tokens in ((2, 128 * 6 // 8), (7, 128 // 8)):
+        sched = Scheduler(BlockManager(64, 16, False), max_num_seqs=8,
+                          max_num_batched_tokens=256, max_num_mixed_tokens=128)
+        sched.waiting.extend(Sequence(i, [1, 2, 3], params, 16) for i in range(num_short))
+        first = sched.schedule()
+        assert first.kind == "prefill" and first.num_tokens == [3] * num_short
+        sched.update(first, [5] * num_short)
+        sched.waiting.append(Sequence(num_short, list(range(500)), params, 16))
+        step = sched.schedule()
+        assert step.kind == "mixed" and step.num_decodes == num_short
+        assert step.num_tokens == [1] * num_short + [mixed_tokens - num_short]

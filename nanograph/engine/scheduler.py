@@ -16,11 +16,14 @@ stall-free batching):
   runs. So only the head can be part-way through its prefill. A step that preempted admits no
   new prompt (it would take back the blocks just freed).
 
-The budget is `max_num_batched_tokens` when nothing decodes (a prefill-only step), and
-`max_num_mixed_tokens` (decode rows included) when something does: a step's time grows with its
-tokens, and every decoding sequence waits for the whole step, so this smaller budget bounds the
-gap between two tokens of a sequence while prompts keep arriving (docs/performance.md has the
-measurement behind the default). `prefill_first` restores the rule before mixed steps (a
+The budget is `max_num_batched_tokens` when nothing decodes (a prefill-only step). When
+something does, every decoding sequence waits for the whole step, whose time grows with its
+tokens, so the budget (decode rows included) is smaller, and scales with the batch's free seats:
+`max_num_mixed_tokens` times the share of `max_num_seqs` not decoding, at least an eighth of it.
+A nearly empty batch (a burst arriving) fills fast, and filling it is what raises throughput;
+in a full batch a new prompt only takes the seat of one that finished, so prefilling it faster
+would gain nothing, and small chunks keep the gaps between tokens even (docs/performance.md has
+the measurements). `prefill_first` restores the rule before mixed steps (a
 prefill-only step whenever a prompt can be admitted), for bench's comparison.
 
 A step's life has two halves, because with overlap scheduling (llm.py) the next step is
@@ -102,13 +105,19 @@ class Scheduler:
             return self.account([], prefills)
         preemptions = self.num_preemptions
         decodes = self.schedule_decodes()
-        budget = self.max_num_mixed_tokens if decodes else self.max_num_batched_tokens
+        budget = self.mixed_budget(len(decodes)) if decodes else self.max_num_batched_tokens
         prefills = []
         if not self.prefill_first:
             # a step that preempted admits no new prompt
             admit = self.num_preemptions == preemptions
             prefills = self.schedule_prefills(budget - len(decodes), admit)
         return self.account(decodes, prefills) if decodes or prefills else None
+
+    def mixed_budget(self, num_decodes: int) -> int:
+        """A mixed step's tokens: `max_num_mixed_tokens` by the share of free seats, >= 1/8."""
+        free_seats = max(self.max_num_seqs - num_decodes, 0)
+        return max(self.max_num_mixed_tokens * free_seats // self.max_num_seqs,
+                   self.max_num_mixed_tokens // 8)
 
     def schedule_decodes(self):
         """Every running sequence, each with room for one more token (preempting for it)."""
