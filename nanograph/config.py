@@ -21,8 +21,8 @@ class Config:
     load_format: str = "auto"                  # "auto" (safetensors) or "dummy" (random weights)
     max_model_len: int = 4096
     max_num_seqs: int = 512
-    max_num_batched_tokens: int = 16384        # a step's token budget when nothing decodes
-    max_num_mixed_tokens: int = 2048           # ... and when something does (scheduler.py)
+    max_num_batched_tokens: int = 16384        # a step's prefill tokens when nothing decodes
+    max_num_mixed_tokens: int = 2048           # ... when something does (scheduler.py)
     kvcache_block_size: int = 256
     num_kvcache_blocks: int | None = None      # None: as many as memory allows
     gpu_memory_utilization: float = 0.9

@@ -184,12 +184,12 @@ def test_mixed_graphs_match_eager_mixed_steps(tiny_model, family):
     assert stats["graph_replays"] > 0 and len(stats["mixed_graph_grid"]) == 4
 
 
-def test_the_mixed_budget_follows_the_free_seats():
-    """A mixed step's tokens (decode rows included): max_num_mixed_tokens by the share of seats
-    not decoding, never under an eighth of it; a prefill-only step gets max_num_batched_tokens."""
+def test_the_prefill_budget_follows_the_free_seats():
+    """A mixed step's prefill tokens: max_num_mixed_tokens by the share of seats not decoding,
+    never under a sixteenth of it; a prefill-only step gets max_num_batched_tokens."""
     params = SamplingParams(max_tokens=100, ignore_eos=True)
-    for num_short, mixed_tokens in ((2, 128 * 6 // 8), (7, 128 // 8)):
-        sched = Scheduler(BlockManager(64, 16, False), max_num_seqs=8,
+    for num_short, prefill_tokens in ((2, 128 * 14 // 16), (15, 128 // 16)):
+        sched = Scheduler(BlockManager(64, 16, False), max_num_seqs=16,
                           max_num_batched_tokens=256, max_num_mixed_tokens=128)
         sched.waiting.extend(Sequence(i, [1, 2, 3], params, 16) for i in range(num_short))
         first = sched.schedule()
@@ -198,4 +198,4 @@ def test_the_mixed_budget_follows_the_free_seats():
         sched.waiting.append(Sequence(num_short, list(range(500)), params, 16))
         step = sched.schedule()
         assert step.kind == "mixed" and step.num_decodes == num_short
-        assert step.num_tokens == [1] * num_short + [mixed_tokens - num_short]
+        assert step.num_tokens == [1] * num_short + [prefill_tokens]

@@ -16,15 +16,15 @@ stall-free batching):
   runs. So only the head can be part-way through its prefill. A step that preempted admits no
   new prompt (it would take back the blocks just freed).
 
-The budget is `max_num_batched_tokens` when nothing decodes (a prefill-only step). When
+The prefill budget is `max_num_batched_tokens` when nothing decodes (a prefill-only step). When
 something does, every decoding sequence waits for the whole step, whose time grows with its
-tokens, so the budget (decode rows included) is smaller, and scales with the batch's free seats:
-`max_num_mixed_tokens` times the share of `max_num_seqs` not decoding, at least an eighth of it.
-A nearly empty batch (a burst arriving) fills fast, and filling it is what raises throughput;
-in a full batch a new prompt only takes the seat of one that finished, so prefilling it faster
-would gain nothing, and small chunks keep the gaps between tokens even (docs/performance.md has
-the measurements). `prefill_first` restores the rule before mixed steps (a
-prefill-only step whenever a prompt can be admitted), for bench's comparison.
+tokens, so the prefill part gets less, in proportion to the batch's free seats:
+`max_num_mixed_tokens` times the share of `max_num_seqs` not decoding, at least a sixteenth of
+it. A nearly empty batch (a burst arriving) fills fast, and filling it is what raises
+throughput; in a full batch a new prompt only takes the seat of one that finished, so
+prefilling it faster would gain nothing, and small chunks keep the gaps between tokens even
+(docs/performance.md has the measurements). `prefill_first` restores the rule before mixed
+steps (a prefill-only step whenever a prompt can be admitted), for bench's comparison.
 
 A step's life has two halves, because with overlap scheduling (llm.py) the next step is
 scheduled before this one's tokens are back:
@@ -105,19 +105,20 @@ class Scheduler:
             return self.account([], prefills)
         preemptions = self.num_preemptions
         decodes = self.schedule_decodes()
-        budget = self.mixed_budget(len(decodes)) if decodes else self.max_num_batched_tokens
+        budget = self.prefill_budget(len(decodes)) if decodes else self.max_num_batched_tokens
         prefills = []
         if not self.prefill_first:
             # a step that preempted admits no new prompt
             admit = self.num_preemptions == preemptions
-            prefills = self.schedule_prefills(budget - len(decodes), admit)
+            prefills = self.schedule_prefills(budget, admit)
         return self.account(decodes, prefills) if decodes or prefills else None
 
-    def mixed_budget(self, num_decodes: int) -> int:
-        """A mixed step's tokens: `max_num_mixed_tokens` by the share of free seats, >= 1/8."""
+    def prefill_budget(self, num_decodes: int) -> int:
+        """A mixed step's prefill tokens: `max_num_mixed_tokens` by the share of free seats,
+        at least a sixteenth of it."""
         free_seats = max(self.max_num_seqs - num_decodes, 0)
         return max(self.max_num_mixed_tokens * free_seats // self.max_num_seqs,
-                   self.max_num_mixed_tokens // 8)
+                   self.max_num_mixed_tokens // 16)
 
     def schedule_decodes(self):
         """Every running sequence, each with room for one more token (preempting for it)."""
