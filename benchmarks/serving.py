@@ -35,7 +35,7 @@ The workloads (issue 43; its targets print with the ratios):
   requests, at most 128 of them and at most about 8 s of arrivals (so 32 at 4 req/s).
 Capped so that the section takes about 3 minutes for the Qwen3-0.6B shape on an H100.
 `--quick` (a CPU): the quick workload, 8 long prompts of 60-200 tokens, max_num_seqs 4 for the
-"64" runs, 10 and 40 req/s, and token budgets of 128 (32 while decoding) so that prompts chunk.
+"64" runs, 10 and 40 req/s, and prefill budgets of 128 (32 while decoding) so that prompts chunk.
 
 The step API hands out every request's whole completion each step: host work that `generate`
 does not do. Compare tokens/s here rule against rule, and against `--run` with that in mind.
@@ -346,9 +346,10 @@ def print_engine(engine: dict) -> None:
         graphs = (f"{engine['num_graphs']} CUDA graphs ({len(engine['mixed_graph_grid'])} mixed) "
                   f"captured in {engine['capture_seconds']:.1f} s, "
                   f"{mib(engine['graph_memory_bytes'])} MiB (targets: <= 15 s, <= 2 GiB)")
-    print(f"\nServing engine: max_num_seqs 512, max_model_len {engine['max_model_len']}, token "
-          f"budget {engine['max_num_batched_tokens']} ({engine['max_num_mixed_tokens']} while "
-          f"decoding), {engine['num_kvcache_blocks']} KV blocks, prefix caching off, overlap "
+    print(f"\nServing engine: max_num_seqs 512, max_model_len {engine['max_model_len']}, prefill "
+          f"budget {engine['max_num_batched_tokens']} ({engine['max_num_mixed_tokens']} x the "
+          f"free seats' share while decoding), {engine['num_kvcache_blocks']} KV blocks, prefix "
+          f"caching off, overlap "
           f"{on_off(engine['overlap_scheduling'])}; {graphs}")
 
 
@@ -424,8 +425,8 @@ def section_serving(setup: Setup) -> dict:
 
 def budget_sweep(llm, setup: Setup, runs: list[ServingRun], results: list[ServingResult]) -> list:
     """`--mixed-budgets`: the workloads with a target again under the decode-first rule, once per
-    token budget of a step while sequences decode (`max_num_mixed_tokens`, set on the scheduler:
-    the engine's mixed graphs cover every smaller budget), each against the prefill-first result
+    `max_num_mixed_tokens` (the prefill budget of a step while sequences decode, times the free
+    seats' share; set on the scheduler: the engine's mixed graphs cover every smaller budget), each against the prefill-first result
     of the same workload above. (budget, new result, old result, target) rows."""
     default = llm.scheduler.max_num_mixed_tokens
     sweep = []
@@ -441,7 +442,7 @@ def budget_sweep(llm, setup: Setup, runs: list[ServingRun], results: list[Servin
 
 
 def print_budget_sweep(sweep: list, judge: bool):
-    print_table("Decode-first by token budget while decoding (max_num_mixed_tokens), against "
+    print_table("Decode-first by prefill budget while decoding (max_num_mixed_tokens), against "
                 "prefill-first on the same workload; ms",
                 ["budget", "workload", "tok/s", "new/old", "ITL p50", "ITL p99", "p99/p50",
                  "ITL max", "max/p50", "ITL p99 new/old", "mixed graphs", "target met"],

@@ -195,3 +195,27 @@ def test_tp2_graphs_match_tp1_on_gpu(tiny_model, family):
     assert two == one
     assert s2["cuda_graph_sizes"] == [1, 2, 4, 8] and s2["replays_per_bucket"] == s1["replays_per_bucket"]
     assert 0 < s2["graph_hit_rate"] < 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_tp2_mixed_graphs_match_tp1_on_gpu(tiny_model):
+    """Long prompts arrive while a request decodes: mixed steps replay mixed graphs (and their
+    all-reduces) on both ranks, and give tp=1's tokens."""
+    short, *longs = random_prompts([5, 150, 90], seed=4)
+    results = []
+    for tp in (1, 2):
+        with LLM(tiny_model("llama"), tensor_parallel_size=tp, kvcache_block_size=16,
+                 device="cuda", dtype="float32", max_num_mixed_tokens=64) as llm:
+            ids = [llm.add_request(short, SamplingParams(temperature=0, max_tokens=40,
+                                                         ignore_eos=True))]
+            llm.step()
+            llm.step()
+            ids += [llm.add_request(prompt, GREEDY) for prompt in longs]
+            outputs = {}
+            while llm.has_unfinished_requests():
+                outputs |= {out["request_id"]: out["token_ids"] for out in llm.step()}
+            results.append(([outputs[i] for i in ids], llm.stats()))
+    (one, stats1), (two, stats2) = results
+    assert two == one
+    assert stats2["mixed_graph_replays"] == stats1["mixed_graph_replays"] > 0
