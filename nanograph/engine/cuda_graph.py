@@ -30,14 +30,16 @@ Which graphs. Keys are (decode rows d, prefill tokens p, LoRA rank bucket):
   bucket (8, 16, 32, 64 up to `max_lora_rank`; layers/lora_slots.py): a step takes the smallest
   that holds its largest adapter rank, and a step without adapters the rank-0 graph.
 - Mixed graphs (the decode rows, then prefill chunks: scheduler.py): a grid of decode buckets
-  (powers of two) by prefill-token buckets (powers of two from 64 up to the mixed-step budget),
+  (powers of two) by prefill-token buckets (powers of two from 64 up to `max_num_mixed_tokens`),
   with room for MIXED_PREFILL_CHUNKS chunks. A step's decode rows take the smallest decode bucket
-  that holds them and its chunks' tokens the smallest prefill bucket: since d + p stays within
-  the budget, a larger decode bucket needs only the smaller prefill buckets, which keeps the grid
-  to about three times the decode ladder. The prefill kernel's grid comes from p, never from the
-  live chunks. Only each chunk's last token (and each decode row) goes through the LM head and
-  the sampler. Mixed graphs run the base model only (a step with adapters runs eagerly), and only
-  with the triton attention backend (the others size prefill attention on the host).
+  that holds them and its chunks' tokens the smallest prefill bucket: since the prefill budget
+  shrinks as decode rows take seats, d + p stays within `max_num_mixed_tokens` (while
+  `max_num_seqs` is well below it), and a larger decode bucket needs only the smaller prefill
+  buckets, which keeps the grid to about three times the decode ladder. The prefill kernel's grid
+  comes from p, never from the live chunks. Only each chunk's last token (and each decode row) goes
+  through the LM head and the sampler. Mixed graphs run the base model only (a step with adapters
+  runs eagerly), and only with the triton attention backend (the others size prefill attention on
+  the host).
 Prefill-only steps (nothing decodes), steps above the largest graph and the rest run eagerly,
 counted (`stats()`): the hit rates and the padding waste (padded rows or tokens / real ones) say
 what the graphs cost and buy. Every tensor-parallel rank computes the same graphs from the same
