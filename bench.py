@@ -196,9 +196,11 @@ def main(argv=None) -> dict:
         reference = ""
         if w.output_tokens == REFERENCE_OUTPUT_TOKENS:
             reference = " (the reference workload)"
+        logprobs = ""
+        if w.logprobs is not None:
+            logprobs = f", each asking for top-{w.logprobs} logprobs"
         print(f"workload: {w.num_seqs} sequences, {w.prompt_tokens:,} prompt tokens, "
-              f"{w.output_tokens:,} output tokens{reference}"
-              + (f", each asking for top-{w.logprobs} logprobs" if w.logprobs is not None else ""))
+              f"{w.output_tokens:,} output tokens{reference}{logprobs}")
         for setup in setups:
             for backend in args.attention_backend:
                 setup.attention_backend = backend

@@ -349,8 +349,7 @@ def print_engine(engine: dict) -> None:
     print(f"\nServing engine: max_num_seqs 512, max_model_len {engine['max_model_len']}, prefill "
           f"budget {engine['max_num_batched_tokens']} ({engine['max_num_mixed_tokens']} x the "
           f"free seats' share while decoding), {engine['num_kvcache_blocks']} KV blocks, prefix "
-          f"caching off, overlap "
-          f"{on_off(engine['overlap_scheduling'])}; {graphs}")
+          f"caching off, overlap {on_off(engine['overlap_scheduling'])}; {graphs}")
 
 
 def print_results(results: list[ServingResult]) -> None:
@@ -419,15 +418,19 @@ def section_serving(setup: Setup) -> dict:
     ratios = compare_rules(runs, results, judge)
     if sweep:
         print_budget_sweep(sweep, judge)
-    return {"engine": engine, "skipped": skipped, "runs": [r.to_dict() for r in results],
-            "ratios": ratios, "budget_sweep": [(budget, new.to_dict()) for budget, new, _, _ in sweep]}
+    return {"engine": engine,
+            "skipped": skipped,
+            "runs": [r.to_dict() for r in results],
+            "ratios": ratios,
+            "budget_sweep": [(budget, new.to_dict()) for budget, new, _, _ in sweep]}
 
 
 def budget_sweep(llm, setup: Setup, runs: list[ServingRun], results: list[ServingResult]) -> list:
     """`--mixed-budgets`: the workloads with a target again under the decode-first rule, once per
     `max_num_mixed_tokens` (the prefill budget of a step while sequences decode, times the free
-    seats' share; set on the scheduler: the engine's mixed graphs cover every smaller budget), each against the prefill-first result
-    of the same workload above. (budget, new result, old result, target) rows."""
+    seats' share; set on the scheduler: the engine's mixed graphs cover every smaller budget),
+    each against the prefill-first result of the same workload above. (budget, new result, old
+    result, target) rows."""
     default = llm.scheduler.max_num_mixed_tokens
     sweep = []
     try:
@@ -435,7 +438,8 @@ def budget_sweep(llm, setup: Setup, runs: list[ServingRun], results: list[Servin
             llm.scheduler.max_num_mixed_tokens = budget
             for run, old in zip(runs, results[1::2]):
                 if run.target is not None:
-                    sweep.append((budget, run_rule(llm, setup, run, "decode-first"), old, run.target))
+                    new = run_rule(llm, setup, run, "decode-first")
+                    sweep.append((budget, new, old, run.target))
     finally:
         llm.scheduler.max_num_mixed_tokens = default
     return sweep
@@ -450,7 +454,8 @@ def print_budget_sweep(sweep: list, judge: bool):
                   cell(ratio(new.tokens_per_s, old.tokens_per_s), ".3f", "x"),
                   cell(ms(new.itl_p50), ".2f"), cell(ms(new.itl_p99), ".2f"),
                   cell(new.itl_p99_vs_p50, ".2f", "x"), cell(ms(new.itl_max), ".1f"),
-                  cell(new.itl_max_vs_p50, ".1f", "x"), cell(ratio(new.itl_p99, old.itl_p99), ".3f", "x"),
+                  cell(new.itl_max_vs_p50, ".1f", "x"),
+                  cell(ratio(new.itl_p99, old.itl_p99), ".3f", "x"),
                   cell(new.mixed_graph_hit_rate, ".1%"),
                   "-" if not judge else "yes" if target.met(new, old) else "NO"]
                  for budget, new, old, target in sweep])

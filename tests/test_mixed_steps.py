@@ -27,7 +27,8 @@ def run_until_done(llm: LLM, outputs: dict | None = None) -> dict:
 
 @pytest.mark.parametrize("overlap", [False, True])
 def test_a_decoding_request_gets_one_token_every_step_while_prompts_prefill(tiny_model, overlap):
-    llm = LLM(tiny_model("llama"), kvcache_block_size=16, max_num_batched_tokens=64, max_num_mixed_tokens=24,
+    llm = LLM(tiny_model("llama"), kvcache_block_size=16, max_num_batched_tokens=64,
+              max_num_mixed_tokens=24,
               overlap_scheduling=overlap)
     short, long_a, long_b = random_prompts([5, 150, 90], seed=1)
     first = llm.add_request(short, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
@@ -44,7 +45,8 @@ def test_a_decoding_request_gets_one_token_every_step_while_prompts_prefill(tiny
     assert counts == list(range(counts[0], counts[0] + len(counts)))
     assert llm.stats()["steps"]["mixed"] >= 240 // 23
     run_until_done(llm, outputs)
-    assert [outputs[i]["token_ids"] for i in ids] == hf_greedy(tiny_model("llama"), [long_a, long_b], 12)
+    expected = hf_greedy(tiny_model("llama"), [long_a, long_b], 12)
+    assert [outputs[i]["token_ids"] for i in ids] == expected
     assert_all_blocks_free(llm)
 
 
@@ -68,7 +70,8 @@ def test_seeded_sampling_does_not_depend_on_when_the_request_arrived(tiny_model)
     path = tiny_model("qwen2")
     target = random_prompts([25], seed=3)[0]
     params = SamplingParams(temperature=1.0, top_p=0.9, seed=42, max_tokens=20, ignore_eos=True)
-    alone = LLM(path, kvcache_block_size=16).generate([target], params, use_tqdm=False)[0]["token_ids"]
+    alone_llm = LLM(path, kvcache_block_size=16)
+    alone = alone_llm.generate([target], params, use_tqdm=False)[0]["token_ids"]
     llm = LLM(path, kvcache_block_size=16, max_num_mixed_tokens=16)
     for prompt in random_prompts([30, 50], seed=4):
         llm.add_request(prompt, SamplingParams(temperature=0.7, max_tokens=30, ignore_eos=True))
@@ -108,7 +111,8 @@ def test_a_second_thread_gets_a_clear_error(tiny_model):
         release.wait(10)
         return step(batch)
     llm.runner.launch = slow_launch
-    first = threading.Thread(target=llm.generate, args=([[5, 6, 7]], GREEDY), kwargs=dict(use_tqdm=False))
+    first = threading.Thread(target=llm.generate, args=([[5, 6, 7]], GREEDY),
+                             kwargs=dict(use_tqdm=False))
     first.start()
     inside.wait(10)
     for call in (lambda: llm.generate([[1, 2]], GREEDY, use_tqdm=False), llm.step,
@@ -134,7 +138,8 @@ def test_a_second_thread_gets_a_clear_error(tiny_model):
     ([1] * 100, SamplingParams(max_tokens=200), "could never run"),
 ])
 def test_bad_requests_through_add_request(tiny_model, prompt, params, message):
-    llm = LLM(tiny_model("qwen3"), kvcache_block_size=16, num_kvcache_blocks=8, max_model_len=256, max_num_seqs=8)
+    llm = LLM(tiny_model("qwen3"), kvcache_block_size=16, num_kvcache_blocks=8, max_model_len=256,
+              max_num_seqs=8)
     good = llm.add_request([5, 6, 7], GREEDY)
     llm.step()
     with pytest.raises(ValueError, match=message):
@@ -164,12 +169,14 @@ def test_mixed_graphs_match_eager_mixed_steps(tiny_model, family):
     they give the tokens eager mixed steps give (float32), greedy and seeded with top-p alike."""
     path = tiny_model(family)
     prompts = random_prompts([5, 150, 90, 40, 7, 200, 33], seed=13)
-    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=24, ignore_eos=True) if i % 2 else
-              SamplingParams(temperature=0, max_tokens=24, ignore_eos=True) for i in range(len(prompts))]
+    sampled = [SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=24, ignore_eos=True)
+               for i in range(len(prompts))]
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    params = [sampled[i] if i % 2 else greedy for i in range(len(prompts))]
     results = []
     for eager in (True, False):
-        llm = LLM(path, dtype="float32", kvcache_block_size=16, enforce_eager=eager, max_num_mixed_tokens=64,
-                  cuda_graph_sizes=[1, 2, 4, 8])
+        llm = LLM(path, dtype="float32", kvcache_block_size=16, enforce_eager=eager,
+                  max_num_mixed_tokens=64, cuda_graph_sizes=[1, 2, 4, 8])
         ids = []
         for prompt, p in zip(prompts, params):  # one arrival every second step
             ids.append(llm.add_request(prompt, p))
