@@ -32,7 +32,7 @@ Targets (issue 45, H100, Qwen3-0.6B shape), at a rate that does not saturate the
 over HTTP <= 1.2x in process, and TTFT p50 over HTTP within 2 decode steps (the in-process run's
 step p50) of the in-process TTFT p50, the prompt's prefill as the engine sees it (its wait for
 the step under way included). Judged at the lowest rate (4 req/s), on full CUDA runs only.
-Needs the server's dependencies (the `serve` extra) and httpx.
+Needs the server's dependencies (the `serve` extra).
 """
 import asyncio
 import contextlib
@@ -48,6 +48,9 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.parse
+import urllib.request
 from dataclasses import dataclass, field
 
 from benchmarks.checkpoint import write_tokenizer
@@ -79,6 +82,11 @@ class HttpClient:
     arrived. One chunk is one token (see the module docstring: one chunk per engine step per
     completion with new text, one token per step at n = 1, every token text).
 
+    The HTTP is the standard library's: asyncio streams, a connection per request (HTTP/1.1,
+    `Connection: close`), the chunked body read line by line (every `data:` line of an event is
+    a line of its own). A general-purpose client costs more per request and per chunk than the
+    server's own work at a low rate: what is measured should be the server.
+
     A step is a poll: `step` waits until some stream has sent a chunk (or `timeout`, or
     POLL_SECONDS, has passed), then returns (request, tokens so far, when it arrived) for every
     chunk since the last poll, so that LatencyTrace counts arrivals, not polls."""
@@ -86,13 +94,13 @@ class HttpClient:
     # from the reader: (request, tokens so far, perf_counter()) per chunk, then at the stream's
     # end (request, None, None or the exception that ended it)
     events: queue.Queue = field(default_factory=queue.Queue, init=False)
-    unended: set = field(default_factory=set, init=False)  # requests whose end `step` has not seen
     keys: itertools.count = field(default_factory=itertools.count, init=False)
+    # request -> its stream's future, until `step` sees its end. (The event loop keeps only a
+    # weak reference to a task, and asyncio's protocol holds its reader weakly: without this,
+    # the garbage collector could take a stream midway.)
+    streams: dict = field(default_factory=dict, init=False)
 
     def __post_init__(self):
-        import httpx
-        unlimited = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-        self.http = httpx.AsyncClient(base_url=self.url, timeout=None, limits=unlimited)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="bench-http-client",
                                        daemon=True)
@@ -104,8 +112,7 @@ class HttpClient:
                 "temperature": params.temperature, "ignore_eos": params.ignore_eos,
                 "skip_special_tokens": False, "stream": True,
                 "stream_options": {"include_usage": True}}
-        self.unended.add(key)
-        asyncio.run_coroutine_threadsafe(self.read(key, body), self.loop)
+        self.streams[key] = asyncio.run_coroutine_threadsafe(self.read(key, body), self.loop)
         return key
 
     def step(self, timeout: float | None = None) -> list[tuple[int, int, float]]:
@@ -121,45 +128,60 @@ class HttpClient:
             if tokens is not None:
                 arrived.append((key, tokens, when))
                 continue
-            self.unended.discard(key)
+            del self.streams[key]
             if when is not None:
                 raise RuntimeError(f"request {key} over HTTP failed: {when!r}") from when
         return arrived
 
     def busy(self) -> bool:
-        return bool(self.unended)
+        return bool(self.streams)
 
     async def read(self, key: int, body: dict) -> None:
         """One request's stream, on the event loop: an event per chunk with text, then its end."""
         tokens, error = 0, None
         try:
-            async with self.http.stream("POST", "/v1/completions", json=body) as response:
-                if response.status_code != 200:
-                    text = (await response.aread()).decode()
-                    raise RuntimeError(f"status {response.status_code}: {text}")
-                async for line in response.aiter_lines():
-                    when = time.perf_counter()
-                    if not line.startswith("data: {"):  # the blank line after each; [DONE]
-                        continue
-                    chunk = json.loads(line.removeprefix("data: "))
-                    if "error" in chunk:
-                        raise RuntimeError(chunk["error"]["message"])
-                    if chunk["choices"] and chunk["choices"][0]["text"]:
-                        tokens += 1
-                        self.events.put((key, tokens, when))
-                    counted = chunk.get("usage", {}).get("completion_tokens", tokens)
-                    if counted != tokens:
-                        raise RuntimeError(f"{tokens} chunks with text, {counted} tokens")
+            reader, writer = await self.post("/v1/completions", body)
+            async for line in events(reader):
+                when = time.perf_counter()
+                chunk = json.loads(line)
+                if "error" in chunk:
+                    raise RuntimeError(chunk["error"]["message"])
+                if chunk["choices"] and chunk["choices"][0]["text"]:
+                    tokens += 1
+                    self.events.put((key, tokens, when))
+                counted = chunk.get("usage", {}).get("completion_tokens", tokens)
+                if counted != tokens:
+                    raise RuntimeError(f"{tokens} chunks with text, {counted} tokens")
+            writer.close()
         except Exception as e:  # (not a cancellation: close's)
             error = e
         self.events.put((key, None, error))
+
+    async def post(self, path: str, body: dict):
+        """Send a POST on a new connection; read its status line and headers. The connection's
+        (reader, writer), positioned at the body."""
+        address = urllib.parse.urlsplit(self.url)
+        reader, writer = await asyncio.open_connection(address.hostname, address.port)
+        data = json.dumps(body).encode()
+        writer.write(f"POST {path} HTTP/1.1\r\nHost: bench\r\nConnection: close\r\n"
+                     f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+                     .encode() + data)
+        status = (await reader.readline()).decode()
+        headers = []
+        while (line := await reader.readline()).strip():  # (b"": the connection closed)
+            headers.append(line.decode().lower())
+        if " 200 " not in status:
+            writer.close()
+            raise RuntimeError(f"{status.strip()}: {(await reader.read(4096)).decode()}")
+        if "transfer-encoding: chunked\r\n" not in headers:
+            raise RuntimeError(f"a stream without chunked encoding: {headers}")
+        return reader, writer
 
     async def shutdown(self) -> None:
         streams = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
         for task in streams:
             task.cancel()
         await asyncio.gather(*streams, return_exceptions=True)
-        await self.http.aclose()
 
     def close(self) -> None:
         asyncio.run_coroutine_threadsafe(self.shutdown(), self.loop).result()
@@ -172,6 +194,15 @@ class HttpClient:
 
     def __exit__(self, *exc):
         self.close()
+
+
+async def events(reader: asyncio.StreamReader):
+    """The JSON of each `data:` event of a chunked SSE body, up to `data: [DONE]`."""
+    while (line := await reader.readline()) != b"data: [DONE]\n":
+        if not line:
+            raise RuntimeError("the stream ended without data: [DONE]")
+        if line.startswith(b"data: "):  # (not a chunk-size line or a blank one)
+            yield line[len(b"data: "):]
 
 
 # ---- the server --------------------------------------------------------------------------------
@@ -226,11 +257,11 @@ class ServerProcess:
         return self
 
     def wait_ready(self) -> None:
-        import httpx
         deadline = time.monotonic() + READY_SECONDS
         while self.proc.poll() is None and time.monotonic() < deadline:
-            with contextlib.suppress(httpx.TransportError):  # the port is not open yet
-                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+            # an HTTPError (503: not ready) or a URLError (the port is not open yet)
+            with contextlib.suppress(urllib.error.URLError):
+                if urllib.request.urlopen(self.url + "/health", timeout=5).status == 200:
                     return
             time.sleep(0.1)
         with open(self.log) as f:
