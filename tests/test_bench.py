@@ -1,11 +1,13 @@
 """bench.py and benchmarks/: the reference workload is nano-vllm's, the helpers compute what they
 say, and the quick run works end to end on the CPU."""
+import asyncio
 import dataclasses
 import json
 import os
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -301,6 +303,32 @@ def test_server_flags_are_the_engine_knobs():
     knobs = dict(device="cpu", max_num_seqs=512, enable_prefix_caching=False, enforce_eager=True)
     assert serving_http.as_flags(knobs) == ["--device", "cpu", "--max-num-seqs", "512",
                                             "--no-enable-prefix-caching", "--enforce-eager"]
+
+
+def test_the_http_client_reads_each_event_of_a_chunked_sse_body():
+    def chunk(text: str) -> bytes:
+        return f"{len(text):x}\r\n{text}\r\n".encode()
+
+    async def read(body: bytes) -> list:
+        reader = asyncio.StreamReader()
+        reader.feed_data(body)
+        reader.feed_eof()
+        return [json.loads(data) async for data in serving_http.events(reader)]
+
+    events = [chunk('data: {"a": 1}\n\n'), chunk('data: {"b": [2]}\n\n')]
+    done = chunk("data: [DONE]\n\n") + b"0\r\n\r\n"
+    assert asyncio.run(read(b"".join(events) + done)) == [{"a": 1}, {"b": [2]}]
+    with pytest.raises(RuntimeError, match="without data: \\[DONE\\]"):
+        asyncio.run(read(b"".join(events)))  # the server went away mid-stream
+
+
+def test_the_http_target_is_itl_p99_and_ttft_p50():
+    """At most 1.2x the in-process ITL p99, and TTFT p50 within two in-process steps."""
+    local = SimpleNamespace(itl_p99=1.0, ttft_p50=5.0, step_p50=1.0)
+    met = serving_http.TARGET_HTTP.met
+    assert met(SimpleNamespace(itl_p99=1.2, ttft_p50=7.0), local)
+    assert not met(SimpleNamespace(itl_p99=1.25, ttft_p50=6.0), local)
+    assert not met(SimpleNamespace(itl_p99=1.1, ttft_p50=7.5), local)
 
 
 def test_quick_serving_http_section(tmp_path):
