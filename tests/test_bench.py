@@ -1,11 +1,13 @@
 """bench.py and benchmarks/: the reference workload is nano-vllm's, the helpers compute what they
 say, and the quick run works end to end on the CPU."""
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from types import SimpleNamespace
 
@@ -322,6 +324,49 @@ def test_the_http_client_reads_each_event_of_a_chunked_sse_body():
         asyncio.run(read(b"".join(events)))  # the server went away mid-stream
 
 
+def test_the_http_client_reuses_a_connection_whose_stream_has_ended():
+    """Requests one after another go over one kept-alive connection: the client reads each
+    chunked body to its end (the `0` chunk), and counts every token of every stream."""
+    connections = []
+
+    async def serve(reader, writer):  # every request: three tokens, usage, [DONE]
+        connections.append(writer)
+        with contextlib.suppress(asyncio.IncompleteReadError):  # (the client closing)
+            await answer(reader, writer)
+
+    async def answer(reader, writer):
+        while (head := await reader.readuntil(b"\r\n\r\n")):
+            length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+            await reader.readexactly(length)
+            events = [{"choices": [{"text": f"t{i}"}]} for i in range(3)]
+            events.append({"choices": [], "usage": {"completion_tokens": 3}})
+            body = b"".join(chunk(f"data: {json.dumps(e)}\n\n") for e in events)
+            writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" + body
+                         + chunk("data: [DONE]\n\n") + b"0\r\n\r\n")
+
+    def chunk(text: str) -> bytes:
+        return f"{len(text):x}\r\n{text}\r\n".encode()
+
+    async def start():
+        return await asyncio.start_server(serve, "127.0.0.1", 0)
+
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    server = asyncio.run_coroutine_threadsafe(start(), loop).result()
+    port = server.sockets[0].getsockname()[1]
+    params = SimpleNamespace(max_tokens=3, temperature=0.0, ignore_eos=True)
+    with serving_http.HttpClient(f"http://127.0.0.1:{port}") as client:
+        for _ in range(4):
+            client.add([1, 2], params)
+            tokens = []
+            while client.busy():
+                tokens += [count for _, count, _ in client.step()]
+            assert tokens == [1, 2, 3]
+    assert len(connections) == 1
+    loop.call_soon_threadsafe(server.close)
+    loop.call_soon_threadsafe(loop.stop)
+
+
 def test_the_http_target_is_itl_p99_and_ttft_p50():
     """At most 1.2x the in-process ITL p99, and TTFT p50 within two in-process steps."""
     local = SimpleNamespace(itl_p99=1.0, ttft_p50=5.0, step_p50=1.0)
@@ -532,3 +577,18 @@ def test_peers_that_cannot_run_are_skipped_rows(tmp_path):
     assert cpu.error == "skipped: runs on CUDA only"
     graphs = RunResult("graphs", 8, 10, 1.0)
     assert compare.same_set_ratios([graphs, missing, cpu]) == [1.0, None, None]
+
+
+def test_a_repeated_workload_reports_each_figures_median():
+    """median_run: each latency figure is the middle run's, figure by figure (not one run's row),
+    a figure a path lacks stays None, and the counts stay."""
+    def run(seconds, ttft, itl_p99, step):
+        return serving.ServingResult("w", "decode-first", 512, 8, 100, seconds, ttft, 2 * ttft,
+                                     0.001, itl_p99, 3 * itl_p99, 4, step, {}, None, None)
+    runs = [run(2.0, 0.009, 0.0015, None), run(1.0, 0.007, 0.0030, None),
+            run(3.0, 0.008, 0.0010, None)]
+    median = serving_http.median_run(runs)
+    assert (median.seconds, median.ttft_p50, median.ttft_p99) == (2.0, 0.008, 0.016)
+    assert (median.itl_p99, median.itl_max) == (0.0015, pytest.approx(0.0045))
+    assert median.step_p50 is None and (median.requests, median.output_tokens) == (8, 100)
+    assert median.tokens_per_s == 50.0

@@ -22,6 +22,11 @@ handler learns whether the request is valid before it answers, so a bad request 
 a stream that starts and then fails. After that come the step dicts, whose `text` and
 `token_ids` are the whole completion so far; a stream sends what is new since the last chunk.
 
+The two threads share the GIL, and the engine thread is busy in Python for much of a step
+(scheduling, launching, reading the sampled tokens): the event loop runs where the engine thread
+lets go of it. So after each step the engine thread yields it on purpose (`time.sleep(0)`): the
+chunks it has just handed over go out before its next step's Python work, not in the gaps of it.
+
 A client that goes away is noticed by its response: Starlette cancels a stream's generator when
 the connection closes, and a plain request asks `request.is_disconnected()` at each step dict.
 Either way the job's output generator ends early, and its `finally` sends ("abort", job). A

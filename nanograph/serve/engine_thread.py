@@ -101,6 +101,7 @@ class EngineThread:
             while self.take_messages(block=not self.llm.has_unfinished_requests()):
                 if self.llm.has_unfinished_requests():
                     self.step()
+                    time.sleep(0)  # the GIL to the event loop, for the chunks just handed over
         except Exception as e:
             logger.exception("the engine failed")
             self.error = f"the engine failed: {e!r}"
