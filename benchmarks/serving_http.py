@@ -8,10 +8,11 @@ workload's first requests, EOS ignored), each driven by serving.py's `drive` on 
 (b) through `python -m nanograph.serve` in a subprocess on 127.0.0.1, each request a streamed
     POST /v1/completions (`HttpClient`): a token counts when its server-sent event arrives.
 From each: tokens/s, TTFT p50/p99 and ITL p50/p99, as serving.py defines them, and HTTP over in
-process for ITL p99 and TTFT p50. A full run drives each workload REPEATS times on each path and
-reports each figure's median over them: one run's p99 moves with a burst of the machine's own
-noise, and a target judged on one run would judge the noise. The difference is what a client pays for the server: the
+process for ITL p99 and TTFT p50. The difference is what a client pays for the server: the
 engine thread's hand-off to the event loop, the JSON chunks, the socket, the client's parsing.
+A full run drives each workload REPEATS times on each path and reports each figure's median over
+them: one run's p99 moves with a burst of the machine's own noise, and a target judged on one
+run would judge the noise.
 
 Why the two compare. One engine at a time (the in-process one is closed before the server
 starts: each sizes its KV cache from free memory), both from the same knobs (serving.py's
@@ -46,8 +47,8 @@ import os
 import queue
 import signal
 import socket
-import subprocess
 import statistics
+import subprocess
 import sys
 import threading
 import time
