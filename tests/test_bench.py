@@ -307,10 +307,12 @@ def test_server_flags_are_the_engine_knobs():
                                             "--no-enable-prefix-caching", "--enforce-eager"]
 
 
-def test_the_http_client_reads_each_event_of_a_chunked_sse_body():
-    def chunk(text: str) -> bytes:
-        return f"{len(text):x}\r\n{text}\r\n".encode()
+def chunk(text: str) -> bytes:
+    """`text` as one chunk of a chunked HTTP/1.1 body."""
+    return f"{len(text):x}\r\n{text}\r\n".encode()
 
+
+def test_the_http_client_reads_each_event_of_a_chunked_sse_body():
     async def read(body: bytes) -> list:
         reader = asyncio.StreamReader()
         reader.feed_data(body)
@@ -335,7 +337,8 @@ def test_the_http_client_reuses_a_connection_whose_stream_has_ended():
             await answer(reader, writer)
 
     async def answer(reader, writer):
-        while (head := await reader.readuntil(b"\r\n\r\n")):
+        while True:  # (until the client closes: readuntil raises)
+            head = await reader.readuntil(b"\r\n\r\n")
             length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
             await reader.readexactly(length)
             events = [{"choices": [{"text": f"t{i}"}]} for i in range(3)]
@@ -343,9 +346,6 @@ def test_the_http_client_reuses_a_connection_whose_stream_has_ended():
             body = b"".join(chunk(f"data: {json.dumps(e)}\n\n") for e in events)
             writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" + body
                          + chunk("data: [DONE]\n\n") + b"0\r\n\r\n")
-
-    def chunk(text: str) -> bytes:
-        return f"{len(text):x}\r\n{text}\r\n".encode()
 
     async def start():
         return await asyncio.start_server(serve, "127.0.0.1", 0)
