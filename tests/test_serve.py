@@ -33,23 +33,45 @@ def as_flags(knobs: dict) -> list[str]:
             for arg in (f"--{name.replace('_', '-')}", str(value))]
 
 
-def server_env(**extra) -> dict:
+def server_env() -> dict:
     path = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
-    return {**os.environ, "PYTHONPATH": path, **extra}
+    return {**os.environ, "PYTHONPATH": path}
+
+
+# `python -m nanograph.serve`, with the LLM's build held back half a second: the server is seen
+# "starting" (/health's 503) before it is ready
+SLOW_BUILD = """
+import sys, time
+import nanograph.serve.engine_thread as engine_thread
+from nanograph.serve.cli import main
+
+build = engine_thread.LLM
+
+
+def slow_build(*args, **kwargs):
+    time.sleep(0.5)
+    return build(*args, **kwargs)
+
+
+engine_thread.LLM = slow_build
+main(sys.argv[1:])
+"""
 
 
 class Server:
-    """`python -m nanograph.serve MODEL --port P FLAGS...` in a subprocess; its log in a file."""
+    """`python -m nanograph.serve MODEL --port P FLAGS...` in a subprocess (or `start` instead
+    of `-m nanograph.serve`); its log in a file."""
 
-    def __init__(self, model: str, flags: list[str], log_path, **env):
+    def __init__(self, model: str, flags: list[str], log_path,
+                 start: tuple[str, str] = ("-m", "nanograph.serve")):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        command = [sys.executable, "-m", "nanograph.serve", model, "--port", str(self.port), *flags]
+        command = [sys.executable, *start, model, "--port", str(self.port), *flags]
         with open(log_path, "w") as log:
-            self.proc = subprocess.Popen(command, env=server_env(**env), stdout=log,
+            self.proc = subprocess.Popen(command, env=server_env(), stdout=log,
                                          stderr=subprocess.STDOUT)
         self.health = []  # the /health statuses seen while starting, without repeats
 
@@ -92,9 +114,8 @@ def lora(adapters):
 def server(text_model, lora, tmp_path_factory):
     flags = as_flags(KNOBS) + ["--served-model-name", MODEL,
                                "--enable-lora", "--lora-modules", f"qv8={lora.path}"]
-    # the build waits a moment, so that /health's 503 is seen before the 200
     server = Server(text_model("qwen3"), flags, tmp_path_factory.mktemp("serve") / "log",
-                    NANOGRAPH_SERVE_BUILD_DELAY="0.5")
+                    start=("-c", SLOW_BUILD))
     try:
         server.wait_ready()
         yield server

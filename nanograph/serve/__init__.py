@@ -27,9 +27,10 @@ The two threads share the GIL, and the engine thread is busy in Python for much 
 lets go of it. So after each step the engine thread yields it on purpose (`time.sleep(0)`): the
 chunks it has just handed over go out before its next step's Python work, not in the gaps of it.
 
-A client that goes away is noticed by its response: Starlette cancels a stream's generator when
-the connection closes, and a plain request asks `request.is_disconnected()` at each step dict.
-Either way the job's output generator ends early, and its `finally` sends ("abort", job). A
+A client that goes away is noticed through its job's queue. Once the body is read, a small task
+awaits uvicorn's `receive()`, which returns only when the connection closes (or the response has
+ended), and then puts ClientGone (an EngineError) in the queue: the job's outputs end with it as
+with any error, their `finally` sends ("abort", job), and the error's answer goes nowhere. A
 failed step is answered to every request in it (a 500, or an error event in a stream) and the
 engine takes new requests, unless the failure closed it (a tensor-parallel worker died): then
 the engine thread ends and the server exits, saying why.

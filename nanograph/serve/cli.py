@@ -12,6 +12,7 @@ import logging
 import sys
 import types
 import typing
+from functools import partial
 
 import uvicorn
 
@@ -67,15 +68,13 @@ def parse_args(argv):
 class Server(uvicorn.Server):
     """uvicorn's server, which stops the engine first when it shuts down (SIGTERM, Ctrl-C, or
     the engine thread's end): every open stream ends at once, so uvicorn's wait for the
-    connections to close is short; then it waits for the engine thread to close the LLM (for
-    15 s at most: an engine still building, or stuck in a step, is left to the process's end)."""
+    connections to close is short."""
 
     engine: EngineThread
 
     async def shutdown(self, sockets=None):
         self.engine.stop()
         await super().shutdown(sockets)
-        await asyncio.to_thread(self.engine.thread.join, 15)
 
 
 def main(argv=None):
@@ -83,18 +82,19 @@ def main(argv=None):
     logging.basicConfig(level=logging.INFO)
     engine = EngineThread(args.model, knobs)
     if args.shell:
-        engine.thread.start()
-        with contextlib.suppress(KeyboardInterrupt):
-            asyncio.run(chat_shell(engine))
-        engine.stop()
-        engine.thread.join()
+        run = partial(asyncio.run, chat_shell(engine))
     else:
         app = create_app(engine, args.served_model_name or args.model, loras)
         server = Server(uvicorn.Config(app, host=args.host, port=args.port))
         server.engine = engine
         engine.on_exit = lambda: setattr(server, "should_exit", True)
-        engine.thread.start()  # builds the LLM while uvicorn opens the port
-        with contextlib.suppress(KeyboardInterrupt):
-            server.run()
+        run = server.run
+    engine.thread.start()  # builds the LLM while uvicorn opens the port (or the shell waits)
+    with contextlib.suppress(KeyboardInterrupt):
+        run()
+    engine.stop()  # (the server's shutdown has already)
+    # the engine thread closes the LLM: wait for it 15 s at most (an engine still building, or
+    # stuck in a step, is left to the process's end)
+    engine.thread.join(15)
     if engine.error:
         sys.exit(f"nanograph-serve: {engine.error}")

@@ -9,7 +9,6 @@ import asyncio
 import contextlib
 import copy
 import logging
-import os
 import queue
 import threading
 import time
@@ -91,8 +90,6 @@ class EngineThread:
     # ---- the engine thread ------------------------------------------------------------------
     def run(self, model: str, knobs: dict):
         try:
-            # tests: keep the server "starting" a while, so that /health's 503 can be seen
-            time.sleep(float(os.environ.get("NANOGRAPH_SERVE_BUILD_DELAY", 0)))
             self.llm = LLM(model, **knobs)
             self.tokenizer = copy.deepcopy(self.llm.tokenizer)
             self.metrics.update(self.llm, time.perf_counter())

@@ -10,14 +10,13 @@ from nanograph.serve.engine_thread import EngineError, EngineThread, Job
 
 
 async def chat_shell(engine: EngineThread):
-    loop = asyncio.get_running_loop()
-    if not await loop.run_in_executor(None, engine.wait_ready):
+    if not await asyncio.to_thread(engine.wait_ready):
         return  # the build failed: cli.py says why
     print("nanograph chat: /reset forgets the conversation, /exit or Ctrl-D quits")
     history = []
     while True:
         try:
-            line = await loop.run_in_executor(None, input, "> ")
+            line = await asyncio.to_thread(input, "> ")
         except EOFError:
             return
         command = line.strip()
