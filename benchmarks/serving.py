@@ -86,12 +86,16 @@ class LatencyTrace:
 
     def stepped(self, at: float, totals: list[tuple]) -> None:
         """A step returned at `at` with `Client.step`'s entries: (request, its output tokens so
-        far), or (request, its output tokens so far, the perf_counter() reading when they came)."""
+        far), or (request, its output tokens so far, the perf_counter() reading when they came);
+        0 tokens so far: the request was sent then, its arrival from now on."""
         if self.last_return is not None:
             self.step_intervals.append(at - self.last_return)
         self.last_return = at
         for request, total, *came in totals:
             when = came[0] - self.start if came else at
+            if total == 0:
+                self.arrival[request] = when
+                continue
             new = total - len(self.token_times[request])
             self.token_times[request] += [when] * new  # k at once: one gap, then k - 1 of zero
             self.token_steps[request] += [self.steps] * new
@@ -123,7 +127,9 @@ class Client(Protocol):
         """Advance: (request, its output tokens so far) for each request that got tokens. A
         client that waits for tokens returns by `timeout` seconds (the next arrival is due). A
         client that knows when tokens came adds that time.perf_counter() reading to the entry,
-        one entry per arrival, in order; else they count as come when `step` returns."""
+        one entry per arrival, in order; else they count as come when `step` returns. A client
+        that sends a request later than `add` (over a network, from its own thread) may say when
+        with an entry of 0 tokens, before the request's first: its TTFT counts from then."""
 
     def busy(self) -> bool:
         """Whether a request sent is unfinished."""

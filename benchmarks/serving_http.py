@@ -6,7 +6,10 @@ workload's first requests, EOS ignored), each driven by serving.py's `drive` on 
 (a) in process, through the engine step API (`StepClient`): a token counts when `step()` returns
     it;
 (b) through `python -m nanograph.serve` in a subprocess on 127.0.0.1, each request a streamed
-    POST /v1/completions (`HttpClient`): a token counts when its server-sent event arrives.
+    POST /v1/completions (`HttpClient`): a token counts when its server-sent event arrives, and
+    the request from when the client's event loop sends it (vLLM's benchmark_serving, too, counts
+    from just before its POST): `drive` runs in a thread of its own, and the hop from there to
+    the client's loop is the bench's cost, not the server's.
 From each: tokens/s, TTFT p50/p99 and ITL p50/p99, as serving.py defines them, and HTTP over in
 process for ITL p99 and TTFT p50. The difference is what a client pays for the server: the
 engine thread's hand-off to the event loop, the JSON chunks, the socket, the client's parsing.
@@ -85,8 +88,8 @@ TOKENIZER_FILES = {"tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 class HttpClient:
     """A serving.Client of a running nanograph server. Each request is a streamed POST
     /v1/completions (its token ids, max_tokens, temperature, ignore_eos; special tokens as
-    text), read on one asyncio event loop in a background thread, which notes when each chunk
-    arrived. One chunk is one token (see the module docstring: one chunk per engine step per
+    text), sent and read on one asyncio event loop in a background thread, which notes when
+    each request went out and when each chunk arrived. One chunk is one token (see the module docstring: one chunk per engine step per
     completion with new text, one token per step at n = 1, every token text).
 
     The HTTP is the standard library's: asyncio streams, HTTP/1.1 connections kept alive and
@@ -147,8 +150,10 @@ class HttpClient:
         return bool(self.streams)
 
     async def read(self, key: int, body: dict) -> None:
-        """One request's stream, on the event loop: an event per chunk with text, then its end."""
+        """One request's stream, on the event loop: an event when it is sent (0 tokens), one per
+        chunk with text, then its end."""
         tokens, error, writer = 0, None, None
+        self.events.put((key, 0, time.perf_counter()))
         try:
             reader, writer = await self.post("/v1/completions", body)
             async for line in events(reader):

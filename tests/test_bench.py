@@ -301,6 +301,18 @@ def test_tokens_count_when_the_client_says_they_came():
     assert trace.token_steps["r"] == [0, 0, 1]
 
 
+def test_a_request_sent_after_its_arrival_counts_from_its_send():
+    """A client that sends later than `add` (HttpClient, from its own event loop) says when,
+    with an entry of 0 tokens: TTFT counts from there; gaps and steps are not changed by it."""
+    trace = serving.LatencyTrace()
+    trace.arrive("r", 0.0)
+    trace.stepped(0.5, [("r", 0, trace.start + 0.2), ("r", 1, trace.start + 0.3)])
+    trace.stepped(0.6, [("r", 2, trace.start + 0.55)])
+    assert trace.ttfts() == pytest.approx([0.1])
+    assert trace.token_times["r"] == pytest.approx([0.3, 0.55])
+    assert trace.token_steps["r"] == [0, 1] and trace.output_tokens == 2
+
+
 def test_server_flags_are_the_engine_knobs():
     knobs = dict(device="cpu", max_num_seqs=512, enable_prefix_caching=False, enforce_eager=True)
     assert serving_http.as_flags(knobs) == ["--device", "cpu", "--max-num-seqs", "512",
@@ -328,7 +340,8 @@ def test_the_http_client_reads_each_event_of_a_chunked_sse_body():
 
 def test_the_http_client_reuses_a_connection_whose_stream_has_ended():
     """Requests one after another go over one kept-alive connection: the client reads each
-    chunked body to its end (the `0` chunk), and counts every token of every stream."""
+    chunked body to its end (the `0` chunk), and counts every token of every stream, after the
+    moment it sent the request."""
     connections = []
 
     async def serve(reader, writer):  # every request: three tokens, usage, [DONE]
@@ -357,11 +370,13 @@ def test_the_http_client_reuses_a_connection_whose_stream_has_ended():
     params = SimpleNamespace(max_tokens=3, temperature=0.0, ignore_eos=True)
     with serving_http.HttpClient(f"http://127.0.0.1:{port}") as client:
         for _ in range(4):
+            added = time.perf_counter()
             client.add([1, 2], params)
-            tokens = []
+            entries = []
             while client.busy():
-                tokens += [count for _, count, _ in client.step()]
-            assert tokens == [1, 2, 3]
+                entries += client.step()
+            assert [count for _, count, _ in entries] == [0, 1, 2, 3]  # sent, then its tokens
+            assert added <= entries[0][2] <= entries[1][2]
     assert len(connections) == 1
     loop.call_soon_threadsafe(server.close)
     loop.call_soon_threadsafe(loop.stop)
