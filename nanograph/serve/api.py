@@ -121,7 +121,7 @@ class ClientGone(EngineError):
 
 class EventStream(StreamingResponse):
     """Starlette's streamed response without its own watch for the client's leaving (an anyio
-    task group a request, the largest share of the app's time): `generate` has a cheaper one."""
+    task group a request, a large share of the app's time): `generate` has a cheaper one."""
     media_type = "text/event-stream"
 
     async def __call__(self, scope, receive, send):
