@@ -89,8 +89,9 @@ class HttpClient:
     """A serving.Client of a running nanograph server. Each request is a streamed POST
     /v1/completions (its token ids, max_tokens, temperature, ignore_eos; special tokens as
     text), sent and read on one asyncio event loop in a background thread, which notes when
-    each request went out and when each chunk arrived. One chunk is one token (see the module docstring: one chunk per engine step per
-    completion with new text, one token per step at n = 1, every token text).
+    each request went out and when each chunk arrived. One chunk is one token (see the module
+    docstring: one chunk per engine step per completion with new text, one token per step at
+    n = 1, every token text).
 
     The HTTP is the standard library's: asyncio streams, HTTP/1.1 connections kept alive and
     reused, as a pooling client (vLLM's benchmark's aiohttp, the openai client's httpx) does, the

@@ -11,8 +11,8 @@ The two generation endpoints are plain Starlette routes, the lean path through t
 body is parsed and checked by pydantic in one call (`model_validate_json`), not by FastAPI's
 request layers, and a stream is Starlette's response without the anyio task group it starts
 per request to listen for the client's leaving (the job's queue hears of that instead:
-`generate`). Those two layers were most of the app's own time per request: time in which the
-event loop holds the GIL that the engine thread shares.
+`generate`). Those two layers were about half of the app's own time per request: time in which
+the event loop holds the GIL that the engine thread shares.
 """
 import asyncio
 import json
@@ -108,7 +108,7 @@ def create_app(engine: EngineThread, served_model: str, loras: dict[str, LoRAReq
             pass
         return JSONResponse(reply.whole(out))
 
-    # (Starlette's routes: the body is parsed by pydantic in one call, not by FastAPI's layers)
+    # (plain Starlette routes: the module docstring says why)
     app.add_route("/v1/completions", partial(generate, CompletionRequest), methods=["POST"])
     app.add_route("/v1/chat/completions", partial(generate, ChatRequest), methods=["POST"])
     return app

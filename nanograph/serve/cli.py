@@ -92,7 +92,7 @@ def main(argv=None):
     engine.thread.start()  # builds the LLM while uvicorn opens the port (or the shell waits)
     with contextlib.suppress(KeyboardInterrupt):
         run()
-    engine.stop()  # (the server's shutdown has already)
+    engine.stop()  # (the server's shutdown has stopped it already)
     # the engine thread closes the LLM: wait for it 15 s at most (an engine still building, or
     # stuck in a step, is left to the process's end)
     engine.thread.join(15)
