@@ -103,8 +103,9 @@ class HttpClient:
     POLL_SECONDS, has passed), then returns (request, tokens so far, when it arrived) for every
     chunk since the last poll, so that LatencyTrace counts arrivals, not polls."""
     url: str
-    # from the reader: (request, tokens so far, perf_counter()) per chunk, then at the stream's
-    # end (request, None, None or the exception that ended it)
+    # from the reader: (request, 0, perf_counter()) when it is sent, (request, tokens so far,
+    # perf_counter()) per chunk, then at the stream's end (request, None, None or the exception
+    # that ended it)
     events: queue.Queue = field(default_factory=queue.Queue, init=False)
     keys: itertools.count = field(default_factory=itertools.count, init=False)
     # request -> its stream's future, until `step` sees its end. (The event loop keeps only a
