@@ -46,7 +46,7 @@ def write_lora_adapters(model_dir: str, n: int, rank: int, dtype: str, root: str
     from safetensors.torch import save_file
     from transformers import AutoConfig
 
-    from nanograph.adapter import TARGETS, LoRARequest, module_shapes
+    from nanograph.lora.adapter import TARGETS, LoRARequest, module_shapes
     hf = AutoConfig.from_pretrained(model_dir)
     shapes, requests = module_shapes(hf), []
     for a in range(n):
@@ -91,17 +91,16 @@ def measure_lora_sweep(setup: Setup, adapters: list) -> dict:
     """A base engine and a LoRA engine (max_loras = the adapters, max_lora_rank = their rank),
     alive together with the same ladder (= the sweep sizes) and KV cache, the adapters loaded in
     slots."""
-    from nanograph.adapter import read_adapter
-    from nanograph.layers.lora_slots import load_adapter
+    from nanograph.lora.adapter import read_adapter
     args = setup.args
     sizes = ladder_sizes("pow2", min(64, args.sweep_max_bs))
-    # the step's rank bucket: with max_lora_rank = R, R is a bucket (layers/lora_slots.py)
+    # the step's rank bucket: with max_lora_rank = R, R is a bucket (nanograph/lora/slots.py)
     rank = args.lora_rank
     lora_args = dict(enable_lora=True, max_loras=len(adapters), max_lora_rank=args.lora_rank)
     with sweep_engine(setup, sizes) as base, sweep_engine(setup, sizes, **lora_args) as lora:
         for slot, request in enumerate(adapters):
             adapter = read_adapter(request, lora.config.hf_config, args.lora_rank)
-            load_adapter(lora.runner.model, slot, adapter)
+            lora.lora.runner_extension.load(slot, adapter)
         rows = [lora_sweep_row(setup, base.runner, lora.runner, bs, rank, len(adapters))
                 for bs in sizes]
     report_leftover_memory("the LoRA sweep engines")

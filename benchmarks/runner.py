@@ -27,8 +27,9 @@ def decode_step(batch: int, context_len: int, block_size: int, lora_slots: list[
                 lora_rank: int = 0):
     """One decode token per sequence at position context_len - 1, each sequence on its own
     consecutive blocks, sampled at temperature 0.6; with lora_rank, row i on adapter slot
-    lora_slots[i]."""
+    lora_slots[i] (the step the LoRA slot table makes: nanograph/lora/slots.py)."""
     from nanograph.engine.step import StepInput
+    from nanograph.lora.slots import LoRAStep
     blocks = -(-context_len // block_size)
     tables = [list(range(s * blocks, (s + 1) * blocks)) for s in range(batch)]
     pos = context_len - 1
@@ -38,7 +39,6 @@ def decode_step(batch: int, context_len: int, block_size: int, lora_slots: list[
         input_ids=[1] * batch,
         positions=[pos] * batch,
         slot_mapping=slots,
-        lora_slots=lora_slots,
         context_lens=[context_len] * batch,
         block_tables=tables,
         cu_seqlens_q=list(range(batch + 1)),
@@ -46,7 +46,8 @@ def decode_step(batch: int, context_len: int, block_size: int, lora_slots: list[
         sample_lens=[context_len] * batch,
         temperatures=[0.6] * batch,
         seeds=list(range(batch)),
-        lora_rank=lora_rank,
+        variant=lora_rank,
+        extras={"lora": LoRAStep(lora_slots)} if lora_rank else {},
     )
 
 

@@ -21,8 +21,8 @@ earlier: that is when a client can have them, so that is what counts.
 Why the rules compare. One engine per shape (built with max_num_seqs=512, so graphs up to 512)
 runs every workload twice, back to back: under the decode-first rule (the engine's) and under
 the old prefill-first one (a prefill-only step whenever a prompt can be admitted:
-`llm.scheduler.prefill_first = True`, a switch for this section). Both runs get the same
-prompts, output lengths (EOS ignored) and arrival times; between workloads only
+`RuleScheduler.prefill_first`, a switch this section adds to the engine's scheduler). Both runs
+get the same prompts, output lengths (EOS ignored) and arrival times; between workloads only
 `scheduler.max_num_seqs` changes. Prefix caching is off, so a run finds nothing of an earlier
 run's prompts in the cache. A warm-up under each rule (a few short requests) comes first.
 
@@ -56,12 +56,28 @@ from typing import Callable, Hashable, Protocol
 import numpy as np
 
 from benchmarks.harness import Setup, report_leftover_memory
+from nanograph.engine.scheduler import Scheduler
 from benchmarks.report import cell, mib, ms, on_off, print_table
 from benchmarks.timing import call_figures, counters, synchronize
 from benchmarks.workloads import Workload, make_workload
 
-# rule -> scheduler.prefill_first; the new rule first (compare_rules pairs results in this order)
+# rule -> RuleScheduler.prefill_first; the new rule first (compare_rules pairs results in this
+# order)
 RULES = {"decode-first": False, "prefill-first": True}
+
+
+class RuleScheduler(Scheduler):
+    """The engine's scheduler, and with `prefill_first` the rule before mixed steps: a
+    prefill-only step whenever a prompt can be admitted, else a decode-only step."""
+    prefill_first = False
+
+    def schedule(self):
+        if not self.prefill_first:
+            return super().schedule()
+        if (prefills := self.schedule_prefills(self.max_num_batched_tokens)):
+            return self.account([], prefills)
+        decodes = self.schedule_decodes()
+        return self.account(decodes, []) if decodes else None
 
 
 # ---- what a client sees ------------------------------------------------------------------------
@@ -318,7 +334,9 @@ def serving_knobs(setup: Setup, scale: Scale) -> dict:
 
 
 def serving_engine(setup: Setup, scale: Scale):
-    return setup.llm(**serving_knobs(setup, scale))
+    llm = setup.llm(**serving_knobs(setup, scale))
+    llm.scheduler.__class__ = RuleScheduler  # the same scheduler, with the rule switch
+    return llm
 
 
 def run_rule(llm, setup: Setup, run: ServingRun, rule: str) -> ServingResult:

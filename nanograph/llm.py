@@ -31,8 +31,14 @@ advance (max_tokens, max_model_len) are never late. With `overlap_scheduling=Fal
 the same with the look-ahead set to 0: collect right after launch. Both give the same tokens.
 On the CPU the "device" is the same cores as the host, so there is nothing to overlap: it is
 off there by default.
+
+Extensions. `install_extensions` is the one place that names them: LoRA (lora/) hands its slot
+table to the scheduler and its runner extension to the runner; the batch-1 chain (fast/) is a
+runner extension on CUDA; tensor parallelism (engine/tp.py) replaces the runner. The rest of the
+engine calls them through the scheduler's and the runner's hooks and imports none of them.
 """
 import contextlib
+import dataclasses
 import threading
 from collections import deque
 from itertools import count
@@ -43,20 +49,33 @@ import xxhash
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer, GenerationConfig
 
-from nanograph.adapter import Adapter, LoRARequest, read_adapter
 from nanograph.config import Config
 from nanograph.engine.block_manager import BlockManager
-from nanograph.engine.model_runner import InFlight, ModelRunner
+from nanograph.engine.model_runner import InFlight, ModelRunner, RunnerExtension
 from nanograph.engine.request import Request
 from nanograph.engine.scheduler import Scheduler
 from nanograph.engine.sequence import Sequence
 from nanograph.engine.tp import TensorParallelRunner
-from nanograph.layers.lora_slots import rank_buckets
+from nanograph.lora import LoRA, LoRARequest
 from nanograph.sampling_params import SamplingParams
 
 
 ManySamplingParams = SamplingParams | list[SamplingParams] | None  # one for all, or one each
 ManyLoRARequests = LoRARequest | list[LoRARequest | None] | None
+
+
+def install_extensions(config: Config) -> tuple[LoRA | None, list[RunnerExtension]]:
+    """The extensions `config` asks for: LoRA (None without enable_lora) and the runner's
+    extensions, in the order they install (LoRA wraps the layers the batch-1 chain then runs)."""
+    lora = None
+    extensions = []
+    if config.enable_lora:
+        lora = LoRA(config.hf_config, config.max_loras, config.max_lora_rank)
+        extensions.append(lora.runner_extension)
+    if config.device.startswith("cuda"):
+        from nanograph.fast import FastDecodeChain  # (Triton: only where CUDA is)
+        extensions.append(FastDecodeChain())
+    return lora, extensions
 
 
 class LLM(contextlib.AbstractContextManager):  # `with LLM(...) as llm:` closes it at the end
@@ -70,8 +89,11 @@ class LLM(contextlib.AbstractContextManager):  # `with LLM(...) as llm:` closes 
         tokenizer_files = ("tokenizer.json", "tokenizer_config.json")
         if any(Path(config.model_dir, f).exists() for f in tokenizer_files):
             self.tokenizer = AutoTokenizer.from_pretrained(config.model_dir)
-        runner_class = TensorParallelRunner if config.tensor_parallel_size > 1 else ModelRunner
-        self.runner = runner_class(config)
+        self.lora, extensions = install_extensions(config)
+        if config.tensor_parallel_size > 1:
+            self.runner = TensorParallelRunner(config, extensions)
+        else:
+            self.runner = ModelRunner(config, extensions=extensions)
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.kvcache_block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager,
@@ -79,10 +101,8 @@ class LLM(contextlib.AbstractContextManager):  # `with LLM(...) as llm:` closes 
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_num_mixed_tokens=config.max_num_mixed_tokens,
                                    max_model_len=config.max_model_len,
-                                   max_loras=config.max_loras,
-                                   lora_ranks=tuple(rank_buckets(config.max_lora_rank)))
+                                   slots=self.lora and self.lora.slots)
         self.eos_ids = self._eos_ids()
-        self.adapters: dict[LoRARequest, Adapter] = {}
         self.requests: dict[int, Request] = {}   # unfinished (and aborted, until reported), by id
         self.in_flight: deque[InFlight] = deque()
         self.request_ids = count()
@@ -103,6 +123,7 @@ class LLM(contextlib.AbstractContextManager):  # `with LLM(...) as llm:` closes 
     def close(self):
         """Free the device memory (and with tensor parallelism, the workers) now, not at garbage
         collection: the next LLM sizes its KV cache from the memory it finds free."""
+        self.lora = None  # (its runner extension holds the model's LoRA layers)
         self.runner.close()
 
     def __exit__(self, *exc):
@@ -123,7 +144,8 @@ class LLM(contextlib.AbstractContextManager):  # `with LLM(...) as llm:` closes 
             self.driver.release()
 
     # ---- request intake ---------------------------------------------------------------------
-    def _validate(self, name: str, prompt, params: SamplingParams) -> list[int]:
+    def _tokenize(self, name: str, prompt) -> list[int]:
+        """A prompt's token ids, checked against the model."""
         cfg = self.config
         if isinstance(prompt, str):
             if self.tokenizer is None:
@@ -141,9 +163,12 @@ class LLM(contextlib.AbstractContextManager):  # `with LLM(...) as llm:` closes 
             raise ValueError(
                 f"{name}: prompt has {len(prompt)} tokens, max_model_len={cfg.max_model_len} "
                 "leaves no room to generate")
-        if not isinstance(params, SamplingParams):
-            raise ValueError(
-                f"{name}: sampling params must be a SamplingParams, got {type(params).__name__}")
+        return list(prompt)
+
+    def _check_params(self, name: str, prompt: list[int], params: SamplingParams):
+        """The request's sampling params against the model, the tokenizer and the cache."""
+        cfg = self.config
+        vocab = cfg.hf_config.vocab_size
         if any(t >= vocab for t in params.stop_token_ids or ()):
             raise ValueError(f"{name}: stop_token_ids {params.stop_token_ids} "
                              f"outside the vocabulary [0, {vocab})")
@@ -166,44 +191,49 @@ class LLM(contextlib.AbstractContextManager):  # `with LLM(...) as llm:` closes 
             raise ValueError(
                 f"{name}: needs up to {blocks} KV blocks ({longest} tokens, n={params.n}) "
                 f"but the cache has {self.runner.num_kv_blocks}; it could never run")
-        return list(prompt)
-
-    def _adapter(self, name: str, request: LoRARequest | None) -> Adapter | None:
-        if request is None:
-            return None
-        if not self.config.enable_lora:
-            raise ValueError(f"{name}: a lora_request needs LLM(..., enable_lora=True)")
-        if not isinstance(request, LoRARequest):
-            raise ValueError(
-                f"{name}: lora_request must be a LoRARequest, got {type(request).__name__}")
-        # checked once per adapter, read from disk when it gets a slot
-        if request not in self.adapters:
-            self.adapters[request] = read_adapter(request, self.config.hf_config,
-                                                  self.config.max_lora_rank, f"{name}: ")
-        return self.adapters[request]
 
     def _make_request(self, name: str, prompt, params: SamplingParams | None,
                       lora_request: LoRARequest | None):
-        """A validated request and its n sequences (nothing queued yet); `name` for errors."""
+        """A validated request and its n sequences, queued; `name` for errors. Nothing is queued
+        unless every check passes."""
         params = SamplingParams() if params is None else params
-        prompt = self._validate(name, prompt, params)
-        adapter = self._adapter(name, lora_request)
+        if not isinstance(params, SamplingParams):
+            raise ValueError(
+                f"{name}: sampling params must be a SamplingParams, got {type(params).__name__}")
+        prompt = self._tokenize(name, prompt)
+        if params.max_tokens is None:  # vLLM's meaning: up to the context
+            params = dataclasses.replace(params, max_tokens=self.config.max_model_len - len(prompt))
+        self._check_params(name, prompt, params)
+        adapter = None
+        if lora_request is not None:
+            if self.lora is None:
+                raise ValueError(f"{name}: a lora_request needs LLM(..., enable_lora=True)")
+            adapter = self.lora.adapter(name, lora_request)
         request_id = next(self.request_ids)
         stop_ids = frozenset(params.stop_token_ids or ()) | (
             frozenset() if params.ignore_eos else self.eos_ids)
         seqs = []
         for i in range(params.n):
             seq_id = next(self.seq_ids)
-            # completion i's noise: its own seed + i, else one made of the engine's seed and its id
-            seed = xxhash.xxh32_intdigest(b"%d" % seq_id, self.config.seed) if params.seed is None \
-                else params.seed + i
-            seqs.append(Sequence(seq_id, prompt, params, self.config.kvcache_block_size, seed,
-                                 stop_ids, adapter, request_id))
+            seqs.append(Sequence(seq_id, prompt, params, self.config.kvcache_block_size,
+                                 seed=self._noise_seed(params.seed, i, seq_id),
+                                 stop_ids=stop_ids,
+                                 request_id=request_id,
+                                 adapter=adapter,
+                                 cache_salt=0 if adapter is None else adapter.cache_salt))
         seqs[0].forks = seqs[1:]  # computed once by the first, then forked (scheduler.py)
-        self.scheduler.waiting.append(seqs[0])
         request = Request(request_id, prompt, seqs, self.tokenizer)
+        self.scheduler.waiting.append(seqs[0])
         self.requests[request_id] = request
         return request
+
+    def _noise_seed(self, seed: int | None, completion: int, seq_id: int) -> int:
+        """Completion `completion`'s noise stream (layers/sampler.py), 31 bits: a hash of the
+        request's whole seed and the completion's index, else of the engine's seed and the
+        sequence's id."""
+        if seed is None:
+            return xxhash.xxh32_intdigest(b"%d" % seq_id, self.config.seed) & 0x7FFFFFFF
+        return xxhash.xxh64_intdigest(b"%d:%d" % (seed, completion)) & 0x7FFFFFFF
 
     def add_request(self, prompt, sampling_params: SamplingParams | None = None,
                     lora_request: LoRARequest | None = None) -> int:
@@ -220,6 +250,10 @@ class LLM(contextlib.AbstractContextManager):  # `with LLM(...) as llm:` closes 
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def get_tokenizer(self):
+        """The model's tokenizer (transformers'), None for a model without one."""
+        return self.tokenizer
 
     def chat_prompt(self, conversation: list[dict],
                     chat_template_kwargs: dict | None = None) -> list[int]:
@@ -280,8 +314,11 @@ class LLM(contextlib.AbstractContextManager):  # `with LLM(...) as llm:` closes 
                 raise RuntimeError(
                     f"{len(self.requests)} requests from add_request are unfinished: "
                     "step them to the end or abort them before generate")
-            if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-                raise ValueError("prompts must be a list of prompts (str or list of token ids)")
+            if isinstance(prompts, str):
+                prompts = [prompts]  # one prompt, as vLLM takes it
+            if prompts and isinstance(prompts[0], int):
+                raise ValueError("prompts must be a str or a list of prompts (str or list of "
+                                 "token ids); one tokenized prompt is [ids]")
             per_prompt = []  # the sampling params and the lora requests: one for all, or one each
             for name, value in (("sampling params", sampling_params),
                                 ("lora requests", lora_request)):
@@ -292,7 +329,7 @@ class LLM(contextlib.AbstractContextManager):  # `with LLM(...) as llm:` closes 
             try:  # every request is checked before any runs
                 requests = [self._make_request(f"request {i}", *args)
                             for i, args in enumerate(zip(prompts, *per_prompt))]
-            except ValueError:
+            except BaseException:  # a bad request, or an interrupt: none of them stays queued
                 self.scheduler.waiting.clear()
                 self.requests.clear()
                 raise

@@ -108,7 +108,7 @@ def test_timed_call_figures_come_from_graph_stats():
     stats.real_tokens += 60
     stats.eager.update(decode=1, mixed=1)
     figures = timing.call_figures(before, timing.graph_counters(stats))
-    assert figures["replays_per_bucket"] == {4: 3, 16: 1} and figures["replays_per_lora_bucket"] == {"16x16": 1}
+    assert figures["replays_per_bucket"] == {4: 3, 16: 1} and figures["replays_per_variant"] == {"16x16": 1}
     assert figures["decode_steps"] == 5 and figures["graph_replays"] == 4
     assert figures["graph_hit_rate"] == pytest.approx(4 / 5)
     assert figures["padding_waste"] == pytest.approx((3 * 4 + 16 - 21) / 21)
@@ -128,9 +128,9 @@ def test_decode_step_puts_each_sequence_on_blocks_of_its_own():
     assert step.block_tables == [[0, 1], [2, 3], [4, 5]] and step.context_lens == [300] * 3
     assert step.positions == [299] * 3  # in each sequence's second block, at offset 43
     assert step.slot_mapping == [1 * 256 + 43, 3 * 256 + 43, 5 * 256 + 43]
-    assert step.lora_rank == 0
+    assert step.variant == 0 and step.extras == {}
     lora_step = decode_step(3, 300, 256, lora_slots=[0, 1, 0], lora_rank=16)  # one token a sequence
-    assert (lora_step.lora_slots, lora_step.lora_rank) == ([0, 1, 0], 16)
+    assert (lora_step.extras["lora"].seq_slots, lora_step.variant) == ([0, 1, 0], 16)
 
 
 def test_busy_share_is_the_union_of_intervals():
@@ -219,7 +219,7 @@ def test_lora_adapters_are_peft_directories_the_engine_accepts(tmp_path):
     from safetensors import safe_open
     from transformers import AutoConfig
 
-    from nanograph.adapter import TARGETS, read_adapter
+    from nanograph.lora.adapter import TARGETS, read_adapter
     model = shapes.write_model_dir("tiny", str(tmp_path))
     hf = AutoConfig.from_pretrained(model)
     requests = lora.write_lora_adapters(model, 2, 8, "bfloat16", str(tmp_path))

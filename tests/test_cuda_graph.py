@@ -34,7 +34,8 @@ def decode_step(ids, positions, slots, lens, tables, temperatures, seeds) -> Ste
 
 
 def test_buffers_fill_live_rows_and_pad_the_rest():
-    buf = StepBuffers(max_tokens=8, max_seqs=8, max_blocks=4, device="cpu")
+    buf = StepBuffers(max_tokens=8, max_seqs=8, max_blocks=4, device="cpu",
+                      extra_fields={"an_extension_s": ("token", -1)})
     step = decode_step([11, 12, 13], [5, 40, 7], [21, 99, 103], [6, 41, 8],
                        [[1, -1, -1], [2, 3, 4], [6, -1, -1]], [0.5, 0.0, 1.25], [7, 8, 9])
     buf.fill(step, decode_shape(4))
@@ -43,7 +44,7 @@ def test_buffers_fill_live_rows_and_pad_the_rest():
     assert dev["input_ids"].tolist() == [11, 12, 13, 0]
     assert dev["positions"].tolist() == [5, 40, 7, 0]
     assert dev["slot_mapping"].tolist() == [21, 99, 103, -1]      # padded row writes no KV
-    assert dev["lora_slots"].tolist() == [-1] * 4                 # no adapters
+    assert dev["an_extension_s"].tolist() == [-1] * 4             # no values: padding
     assert dev["context_lens"].tolist() == [6, 41, 8, 0]          # padded row reads nothing
     assert dev["sample_lens"].tolist() == [6, 41, 8, 0]
     assert dev["block_tables"][1, :3].tolist() == [2, 3, 4] and dev["block_tables"][2, 0] == 6
@@ -53,6 +54,8 @@ def test_buffers_fill_live_rows_and_pad_the_rest():
         dev = buf.views(decode_shape(2))
         assert dev["slot_mapping"].tolist() == [50, -1] and dev["context_lens"].tolist() == [4, 0]
         assert dev["input_ids"].tolist() == [9, 0]
+    buf.fill(step, decode_shape(4), {"an_extension_s": [3, 4, 5]})  # an extension's values
+    assert buf.views(decode_shape(4))["an_extension_s"].tolist() == [3, 4, 5, -1]
     # what a capture runs on: every row padding
     buf.fill(StepInput(), decode_shape(4))
     dev = buf.views(decode_shape(4))
@@ -103,7 +106,7 @@ def test_stats_arithmetic():
     d = stats.as_dict()
     assert d["graph_replays"] == 4 and d["decode_steps"] == 5 and d["graph_hit_rate"] == 0.8
     assert d["padding_waste"] == pytest.approx((3 + 0 + 1 + 0) / 17)
-    assert d["replays_per_bucket"] == {1: 1, 4: 1, 8: 2} and d["replays_per_lora_bucket"] == {"1x8": 1, "8x16": 1}
+    assert d["replays_per_bucket"] == {1: 1, 4: 1, 8: 2} and d["replays_per_variant"] == {"1x8": 1, "8x16": 1}
     assert d["mixed_steps"] == 4 and d["mixed_graph_hit_rate"] == 0.5
     assert d["mixed_padding_waste"] == pytest.approx((2 * 68 - 110) / 110)
 

@@ -55,9 +55,14 @@ def test_more_adapters_than_slots_are_served_in_turn(tiny_model, adapters):
     expected = [peft_greedy(path, r, p, GREEDY.max_tokens) for r, p in zip(loras, prompts)]
     llm = LLM(path, kvcache_block_size=16, enable_lora=True, max_loras=1, max_lora_rank=16, overlap_scheduling=True)
     loads = []
-    launch = llm.runner.launch
-    llm.runner.launch = lambda batch: (loads.extend(a.request.name for _, a in batch.lora_loads),
-                                       len({s.adapter for s in batch.seqs if s.adapter}) <= 1, launch(batch))[-1]
+    runner_launch = llm.runner.launch
+
+    def launch(batch):
+        lora_step = batch.extras.get("lora")  # (lora/slots.py)
+        loads.extend(adapter.request.name for _, adapter in (lora_step.loads if lora_step else ()))
+        assert len({s.adapter for s in batch.seqs if s.adapter}) <= 1  # one slot: one adapter a step
+        return runner_launch(batch)
+    llm.runner.launch = launch
     assert [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)] == expected
     assert set(loads) == {"qv8", "all16", "mlp4"}  # one slot, three adapters: each loaded (at least) once
     assert_all_blocks_free(llm)
@@ -78,26 +83,23 @@ def test_prefix_cache_is_keyed_by_adapter(tiny_model, adapters):
 
 
 def test_fold_gives_the_consumers_h_before_its_norm(tiny_model, adapters):
-    """layers/lora_slots.py's fold: a producer's folded parts times [its input | the residual stream],
+    """lora/layer.py's fold: a producer's folded parts times [its input | the residual stream],
     scaled by the consumer's norm's 1 / rms, equal the consumer's own shrink of
     norm(the producer's output, its LoRA delta included, + residual), for every fold of the
     model (o -> gate/up, down -> the next layer's q/k/v), on random inputs."""
-    from nanograph.layers.lora_slots import load_adapter
     from nanograph.layers.norm import rms_norm
-    from nanograph.adapter import read_adapter
-    from nanograph.utils.context import AttentionInputs, StepMetadata, set_step_metadata
+    from nanograph.lora.adapter import read_adapter
 
     path, request = tiny_model("qwen3"), adapters("qwen3")["all16"]
     llm = LLM(path, kvcache_block_size=16, enable_lora=True, max_loras=2, max_lora_rank=16)
-    model, gen, rows, rank = llm.runner.model, torch.Generator().manual_seed(5), 3, 16
-    load_adapter(model, 1, read_adapter(request, llm.config.hf_config, 16))
-    folds = model.lora_folds()
-    assert len(folds) == 2 * len(model.model.layers) - 1
-    empty = torch.zeros(0, dtype=torch.int32)
-    set_step_metadata(StepMetadata(0, prefill=AttentionInputs(empty, empty, empty), lora_rank=rank,
-                                   lora_slots=torch.ones(rows, dtype=torch.int32)))
+    extension, gen, rows, rank = llm.lora.runner_extension, torch.Generator().manual_seed(5), 3, 16
+    extension.load(1, read_adapter(request, llm.config.hf_config, 16))
+    assert len(extension.folds) == 2 * len(llm.runner.model.model.layers) - 1
+    # a step of 3 rows on slot 1, through the torch path
+    extension.adapters.slots, extension.adapters.rank = torch.ones(rows, dtype=torch.int32), rank
+    extension.adapters.decode_only = False
     try:
-        for producer, consumer, norm in folds:
+        for producer, consumer, norm in extension.folds:
             x = torch.randn(rows, producer.weight.shape[1], generator=gen)
             residual = torch.randn(rows, producer.weight.shape[0], generator=gen)
             y = producer(x)  # the torch path: x W^T + its own delta, from the first part of its buffers
@@ -109,7 +111,7 @@ def test_fold_gives_the_consumers_h_before_its_norm(tiny_model, adapters):
             assert want.abs().max() > 0.1
             torch.testing.assert_close(got * rstd[:, :, None], want, rtol=1e-4, atol=1e-5)
     finally:
-        set_step_metadata(None)
+        extension.adapters.rank = 0
 
 
 def damaged_adapter(request: LoRARequest, tmp_path, config=None, tensors=None) -> LoRARequest:
@@ -184,6 +186,6 @@ def test_mixed_batch_matches_peft_with_graphs(tiny_model, adapters, family):
     expected = [peft_greedy(path, r, p, sp.max_tokens) for r, p, sp in zip(loras, prompts, params)]
     assert [o["token_ids"] for o in outs] == expected
     # the decode ladder by rank 0, 8, 16, and the base model's mixed grid
-    assert stats["lora_rank_buckets"] == [8, 16] and stats["num_graphs"] == 12 + len(stats["mixed_graph_grid"])
-    assert len(stats["replays_per_lora_bucket"]) >= 3 and stats["replays_per_lora_bucket"]["1x16"] > 0
+    assert stats["graph_variants"] == [8, 16] and stats["num_graphs"] == 12 + len(stats["mixed_graph_grid"])
+    assert len(stats["replays_per_variant"]) >= 3 and stats["replays_per_variant"]["1x16"] > 0
     assert 0 < stats["graph_hit_rate"] < 1

@@ -92,7 +92,7 @@ def check_gemv_lora(device, dtype, num_rows, k, part_sizes, deferred, rank=8, ma
     """The GEMV path: a shrink, then the GEMV (or, tensor_cores, the other kernel of gemv.py) that adds the delta itself, against F.linear plus the
     oracle's delta on the GEMV's input (x, or with deferred="norm" rms_norm(x + residual)); with two
     equal parts ([gate | up]) the GEMV also applies the MLP's activation to the sum, as in the
-    model. The deferred norm's h comes as in the engine, from a fold (layers/lora_slots.py): x is the
+    model. The deferred norm's h comes as in the engine, from a fold (lora/layer.py): x is the
     output p W_p^T of a producer with input p, and the producer's shrink multiplies [p | residual]
     by its folded parts (A diag(norm weight)) [W_p | I]; the GEMV takes those parts (a strided view
     past the producer's own) and applies the norm's 1 / rms. Slot -1 rows must get exactly the

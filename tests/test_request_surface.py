@@ -92,10 +92,14 @@ def test_n_completions_share_one_computed_prompt(text_model):
     completions = [o["token_ids"] for o in out["outputs"]]
     assert out["token_ids"] == completions[0] and len(completions) == 4
     assert len(set(map(tuple, completions))) > 1
-    # completion i is what seed + i gives alone: repeatable, and independent of the sharing
-    for i, completion in enumerate(completions):
-        single = SamplingParams(seed=7 + i, temperature=1.0, max_tokens=10, ignore_eos=True)
-        assert engine(path).generate([prompt], single, use_tqdm=False)[0]["token_ids"] == completion
+    # each completion's stream is a hash of (seed, i): repeatable, independent of the sharing
+    # (the first is what the seed gives alone), and not another seed's (seed + i would be seed 8's)
+    again = engine(path).generate([prompt], params, use_tqdm=False)[0]["outputs"]
+    assert [o["token_ids"] for o in again] == completions
+    for seed, completion in ((7, completions[0]), (8, None)):
+        single = SamplingParams(seed=seed, temperature=1.0, max_tokens=10, ignore_eos=True)
+        alone = engine(path).generate([prompt], single, use_tqdm=False)[0]["token_ids"]
+        assert alone == completion if completion else alone not in completions
     assert_all_blocks_free(llm)
 
 

@@ -8,7 +8,7 @@ registers (kernels/gemv.py), so its register count grows with K and the rows, an
 thread the compiler spills to local memory. This prints, for a deferred-norm product with
 4,096 outputs (the program's tile does not depend on N past BLOCK_N), what ptxas reports: the
 registers a thread, the bytes of spill stores, and how many programs fit an SM's 65,536
-registers (layers/linear.py, "where they cross"). Nothing runs on a GPU.
+registers (fast/chain.py, "cuda_core_rows"). Nothing runs on a GPU.
 """
 import argparse
 import re

@@ -22,13 +22,13 @@ What makes replay possible:
 - Warm-up. Each graph's forward runs once eagerly before capture, so Triton autotuning,
   torch.compile and cuBLAS workspace allocations happen outside the recording.
 
-Which graphs. Keys are (decode rows d, prefill tokens p, LoRA rank bucket):
+Which graphs. Keys are (decode rows d, prefill tokens p, variant):
 - Decode graphs (p = 0): the ladder 1, 2, 4, 8, then sizes shrinking geometrically by 4/5 down
   from `cuda_graph_max_bs` (default min(max_num_seqs, 512)), multiples of 8 (after
   Megatron-Core): padding at most 25% with a number of graphs logarithmic in the largest batch;
-  or `cuda_graph_sizes`. With `enable_lora` every decode bucket also gets one graph per rank
-  bucket (8, 16, 32, 64 up to `max_lora_rank`; layers/lora_slots.py): a step takes the smallest
-  that holds its largest adapter rank, and a step without adapters the rank-0 graph.
+  or `cuda_graph_sizes`. An extension may ask for variants of them (model_runner.py): every
+  decode bucket then also gets one graph per variant (LoRA: one per rank bucket), and a step
+  names the variant it needs (0 = the base model's).
 - Mixed graphs (the decode rows, then prefill chunks: scheduler.py): a grid of decode buckets
   (powers of two) by prefill-token buckets (powers of two from 64 up to `max_num_mixed_tokens`),
   with room for MIXED_PREFILL_CHUNKS chunks. A step's decode rows take the smallest decode bucket
@@ -37,7 +37,7 @@ Which graphs. Keys are (decode rows d, prefill tokens p, LoRA rank bucket):
   `max_num_seqs` is well below it), and a larger decode bucket needs only the smaller prefill
   buckets, which keeps the grid to about three times the decode ladder. The prefill kernel's grid
   comes from p, never from the live chunks. Only each chunk's last token (and each decode row) goes
-  through the LM head and the sampler. Mixed graphs run the base model only (a step with adapters
+  through the LM head and the sampler. Mixed graphs run variant 0 only (a step of another variant
   runs eagerly), and only with the triton attention backend (the others size prefill attention on
   the host).
 Prefill-only steps (nothing decodes), steps above the largest graph and the rest run eagerly,
@@ -59,7 +59,6 @@ import torch
 from tqdm.auto import tqdm
 
 from nanograph.engine.step import StepBuffers, StepInput, StepShape
-from nanograph.layers.lora_slots import rank_buckets
 
 log = logging.getLogger("nanograph")
 
@@ -97,8 +96,8 @@ def mixed_grid(max_bs, budget: int):
     return grid
 
 
-def decode_shape(d: int, rank=0) -> StepShape:
-    return StepShape(decodes=d, rows=d, lora_rank=rank)
+def decode_shape(d: int, variant=0) -> StepShape:
+    return StepShape(decodes=d, rows=d, variant=variant)
 
 
 def mixed_shape(d: int, p: int) -> StepShape:
@@ -119,7 +118,8 @@ class GraphStats:
         decode, mixed = Counter(), Counter()
         for shape, n in self.replays.items():
             (mixed if shape.prefill_tokens else decode)[shape.tokens] += n
-        lora = {f"{s.decodes}x{s.lora_rank}": n for s, n in self.replays.items() if s.lora_rank}
+        variants = {f"{shape.decodes}x{shape.variant}": n
+                    for shape, n in self.replays.items() if shape.variant}
         figures = {}
         for kind, prefix, replays, real in (("decode", "", decode, self.real_rows),
                                             ("mixed", "mixed_", mixed, self.real_tokens)):
@@ -132,18 +132,19 @@ class GraphStats:
                             (sum(t * n for t, n in replays.items()) - real) / max(1, real)}
         return {**figures,
                 "replays_per_bucket": dict(sorted(decode.items())),
-                "replays_per_lora_bucket": dict(sorted(lora.items()))}
+                "replays_per_variant": dict(sorted(variants.items()))}
 
 
 class CudaGraphRunner:
-    def __init__(self, config, forward, buffers: StepBuffers):
-        """`forward(shape)`: the model runner's step on its static `buffers` (model_runner.py)."""
+    def __init__(self, config, forward, buffers: StepBuffers, variants=()):
+        """`forward(shape)`: the model runner's step on its static `buffers` (model_runner.py);
+        `variants`: the decode graphs' variants besides 0."""
         max_bs = config.cuda_graph_max_bs or min(config.max_num_seqs, 512)
         ladder = config.cuda_graph_sizes or bucket_ladder(max_bs)
         # no decode batch is larger than max_num_seqs
         self.ladder = sorted({bs for bs in ladder if bs <= config.max_num_seqs}
                              or {config.max_num_seqs})
-        self.ranks = [0] + (rank_buckets(config.max_lora_rank) if config.enable_lora else [])
+        self.variants = [0, *variants]
         self.grid = []
         if config.attention_backend == "triton":
             self.grid = mixed_grid(self.ladder[-1], config.max_num_mixed_tokens)
@@ -154,7 +155,7 @@ class CudaGraphRunner:
     def stats_dict(self):
         return {"cuda_graph_sizes": self.ladder,
                 "mixed_graph_grid": self.grid,
-                "lora_rank_buckets": self.ranks[1:],
+                "graph_variants": self.variants[1:],
                 "num_graphs": len(self.graphs),
                 "capture_seconds": round(self.capture_seconds, 3),
                 "graph_memory_bytes": self.graph_memory_bytes,
@@ -166,9 +167,10 @@ class CudaGraphRunner:
         torch.cuda.synchronize()
         reserved, allocated = torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
         reserved_before = reserved
-        shapes = [decode_shape(d, rank) for d in self.ladder for rank in self.ranks]
+        shapes = [decode_shape(d, variant) for d in self.ladder for variant in self.variants]
         shapes += [mixed_shape(d, p) for d, p in self.grid]
-        shapes.sort(key=lambda s: (s.tokens, s.decodes, s.lora_rank), reverse=True)  # largest first
+        # largest first
+        shapes.sort(key=lambda shape: (shape.tokens, shape.decodes, shape.variant), reverse=True)
         for i, shape in enumerate(tqdm(shapes, desc="Capturing CUDA graphs", leave=False)):
             buffers.fill(StepInput(), shape)  # every row padding
             forward(shape)  # warm-up: compile, autotune, allocate workspaces outside the graph
@@ -181,7 +183,7 @@ class CudaGraphRunner:
             now_reserved, now_allocated = torch.cuda.memory_reserved(), \
                 torch.cuda.memory_allocated()
             log.debug(f"graph {i + 1}/{len(shapes)}: {shape.decodes} decode rows + "
-                      f"{shape.prefill_tokens} prefill tokens, LoRA rank {shape.lora_rank} | pool "
+                      f"{shape.prefill_tokens} prefill tokens, variant {shape.variant} | pool "
                       f"reserved {now_reserved / 2**20:.1f} MiB "
                       f"(+{(now_reserved - reserved) / 2**20:.1f}), "
                       f"allocated {now_allocated / 2**20:.1f} MiB "
@@ -202,25 +204,25 @@ class CudaGraphRunner:
     def lookup(self, step: StepShape):
         """The smallest graph that holds a step of (exact) shape `step`; None (counted) when it
         runs eager."""
-        graph = None
+        bucket = None
         if not step.prefill_tokens and (d := find_bucket(self.ladder, step.decodes)) is not None:
-            graph = decode_shape(d, step.lora_rank)
-        elif step.decodes and not step.lora_rank and step.chunks <= MIXED_PREFILL_CHUNKS:
+            bucket = decode_shape(d, step.variant)
+        elif step.decodes and not step.variant and step.chunks <= MIXED_PREFILL_CHUNKS:
             # the grid runs by decode bucket, then prefill bucket, and a larger decode bucket has
             # only the smaller prefill buckets: the first pair that holds the step is the smallest
             fits = [(d, p) for d, p in self.grid if d >= step.decodes and p >= step.prefill_tokens]
             if fits and step.rows <= fits[0][0] + MIXED_PREFILL_CHUNKS:
-                graph = mixed_shape(*fits[0])
-        if graph is None:
+                bucket = mixed_shape(*fits[0])
+        if bucket is None:
             kind = "decode" if not step.prefill_tokens else "mixed" if step.decodes else "prefill"
             self.stats.eager[kind] += 1
-        return graph
+        return bucket
 
-    def replay(self, graph: StepShape, step: StepShape):
-        """Replay `graph` for a step of (exact) shape `step`."""
-        self.graphs[graph].replay()
-        self.stats.replays[graph] += 1
-        if graph.prefill_tokens:
+    def replay(self, bucket: StepShape, step: StepShape):
+        """Replay the graph of `bucket` for a step of (exact) shape `step`."""
+        self.graphs[bucket].replay()
+        self.stats.replays[bucket] += 1
+        if bucket.prefill_tokens:
             self.stats.real_tokens += step.tokens
         else:
             self.stats.real_rows += step.decodes

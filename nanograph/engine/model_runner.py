@@ -19,9 +19,17 @@ KV cache: one tensor [2, layers, blocks, block_size, kv_heads, head_dim], each l
 Attention holding views into it. Its size comes from memory: on CUDA, what is left of
 `gpu_memory_utilization` after the weights and the activation peak of the largest prefill
 (measured by a warm-up run); on the CPU a modest 1 GiB at most.
+
+Extensions (`RunnerExtension`, handed in by llm.py) change the runner from outside at four
+points: `install` swaps modules into the model once its weights are loaded (before the cache
+is sized and the graphs captured); `step_fields` and `graph_variants` add fields to the static
+buffers and variants to the decode graphs; `before_step` runs on the host before a step's inputs
+go up; `bind` runs inside `forward`, so inside every captured graph, and hands an extension its
+views of the buffers. The runner calls them there and knows nothing else of them.
 """
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -30,7 +38,6 @@ from nanograph.config import Config
 from nanograph.engine.cuda_graph import MIXED_PREFILL_CHUNKS, CudaGraphRunner
 from nanograph.engine.scheduler import Batch
 from nanograph.engine.step import StepBuffers, StepInput, StepShape, TokenTable, build_step
-from nanograph.layers.lora_slots import add_lora_buffers, load_adapter
 from nanograph.layers.sampler import sample, sample_softmax, top_logprobs
 from nanograph.models.decoder import DecoderForCausalLM
 from nanograph.utils.context import AttentionInputs, StepMetadata, set_step_metadata
@@ -39,19 +46,47 @@ from nanograph.utils.loader import init_dummy_weights, load_weights
 CPU_KV_CACHE_BYTES = 1 << 30
 
 
+class RunnerExtension:
+    """What an extension adds to the runner (see above); each hook here does nothing."""
+    step_fields: dict[str, tuple[str, int]] = {}  # more buffer fields: name -> (per, padding)
+    graph_variants: tuple[int, ...] = ()  # the decode graphs are captured again for each
+
+    def install(self, model: torch.nn.Module):
+        """Swap modules into the model, once its weights are loaded."""
+
+    def before_step(self, step: StepInput) -> dict[str, list]:
+        """Host side, before the step's inputs go up: the values of its `step_fields`."""
+        return {}
+
+    def bind(self, inputs: dict[str, torch.Tensor], shape: StepShape):
+        """In `forward`, before the model: the step's shape and its views of the buffers."""
+
+
+class Logprobs(NamedTuple):
+    """A step's log-probabilities (layers/sampler.py's top_logprobs)."""
+    sampled: torch.Tensor      # [rows] each row's sampled token's
+    top_values: torch.Tensor   # [rows, N] the N most likely tokens'
+    top_ids: torch.Tensor      # [rows, N] and their ids
+
+
 @dataclass
 class InFlight:
     """A launched step. Its host copies are complete once `done` has passed."""
     batch: Batch
-    # the sampled ids [rows]; with logprobs, then the sampled token's [rows] and the top values
-    # and ids [rows, N]
-    outputs: list[torch.Tensor]
+    sampled_ids: torch.Tensor          # [rows], on the host
+    logprobs: Logprobs | None          # on the host, when some row asked for them
+    num_logprobs: list[int] | None     # per row, -1 = none (StepInput)
     done: torch.cuda.Event | None      # None on the CPU, where the copies are synchronous
-    num_logprobs: list[int] | None = None   # per row (StepInput)
+
+
+def to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy into (pinned) host memory, without waiting for the GPU; on the CPU a copy too, since
+    the ids there are a view of the buffers."""
+    return tensor.to("cpu", non_blocking=True, copy=True)
 
 
 class ModelRunner:
-    def __init__(self, config: Config, rank=0):
+    def __init__(self, config: Config, rank=0, extensions: list[RunnerExtension] = ()):
         self.config = config
         self.device = torch.device(config.device)
         if self.device.type == "cuda" and config.tensor_parallel_size > 1:
@@ -68,8 +103,9 @@ class ModelRunner:
             init_dummy_weights(self.model, config.seed)
         else:
             load_weights(self.model, config.model_dir)
-        if config.enable_lora:
-            add_lora_buffers(self.model, config.max_loras, config.max_lora_rank)
+        self.extensions = list(extensions)
+        for extension in self.extensions:
+            extension.install(self.model)
         self.attention_layers = [layer.self_attn.attn for layer in self.model.model.layers]
         for attn in self.attention_layers:
             attn.backend = config.attention_backend
@@ -79,8 +115,10 @@ class ModelRunner:
         # the static step buffers and outputs, for the largest step: eager or a graph's (padded)
         max_rows = config.max_num_seqs + MIXED_PREFILL_CHUNKS
         max_blocks = -(-config.max_model_len // self.block_size)
+        extra_fields = {name: spec for extension in self.extensions
+                        for name, spec in extension.step_fields.items()}
         self.buffers = StepBuffers(config.max_num_batched_tokens + max_rows, max_rows, max_blocks,
-                                   self.device)
+                                   self.device, extra_fields)
         vocab = config.hf_config.vocab_size
         self.logits = torch.empty(max_rows, vocab, dtype=config.torch_dtype, device=self.device)
         self.sampled = torch.zeros(max_rows, dtype=torch.int64, device=self.device)
@@ -91,7 +129,8 @@ class ModelRunner:
         # the torch backend (the oracle) reads lengths on the host: it cannot be captured
         capturable = self.device.type == "cuda" and config.attention_backend != "torch"
         if capturable and not config.enforce_eager and config.cuda_graph_max_bs != 0:
-            self.graphs = CudaGraphRunner(config, self.forward, self.buffers)
+            variants = [v for extension in self.extensions for v in extension.graph_variants]
+            self.graphs = CudaGraphRunner(config, self.forward, self.buffers, variants)
 
     # ---- KV cache ------------------------------------------------------------------------
     def allocate_kv_cache(self):
@@ -159,15 +198,18 @@ class ModelRunner:
         sampled ids of its sampling rows (into `self.logits` / `self.sampled`, and the token
         table). What a CUDA graph records and replays."""
         inputs = self.buffers.views(shape)
-        n = shape.decodes
+        decodes = slice(0, shape.decodes)  # the decode part, then the prefill part
+        chunks = slice(shape.decodes, None)
         slots, lens, tables = inputs["slot_mapping"], inputs["context_lens"], inputs["block_tables"]
-        md = StepMetadata(num_decodes=n, lora_rank=shape.lora_rank, lora_slots=inputs["lora_slots"])
-        if n:
-            md.decode = AttentionInputs(slots[:n], lens[:n], tables[:n])
+        md = StepMetadata(num_decodes=shape.decodes)
+        if shape.decodes:
+            md.decode = AttentionInputs(slots[decodes], lens[decodes], tables[decodes])
         if shape.prefill_tokens:
-            md.prefill = AttentionInputs(slots[n:], lens[n:], tables[n:], inputs["cu_seqlens_q"],
-                                         shape.max_chunk)
+            md.prefill = AttentionInputs(slots[chunks], lens[chunks], tables[chunks],
+                                         inputs["cu_seqlens_q"], shape.max_chunk)
         set_step_metadata(md)
+        for extension in self.extensions:
+            extension.bind(inputs, shape)
         hidden = self.model(self.tokens.resolve(inputs["input_ids"]), inputs["positions"])
         set_step_metadata(None)
         if shape.prefill_tokens:  # only the tokens that sample go through the LM head
@@ -183,46 +225,52 @@ class ModelRunner:
         """The logits [rows, vocab] and sampled ids [rows] of the step's sampling rows; the ids
         also go into the token table. Every tensor-parallel rank runs this and samples the same
         ids."""
-        for slot, adapter in step.lora_loads:
-            load_adapter(self.model, slot, adapter)
+        extra_values = {}
+        for extension in self.extensions:
+            extra_values |= extension.before_step(step)
         exact = step.exact_shape()
-        graph = self.graphs.lookup(exact) if self.graphs is not None else None
-        shape = graph or exact
-        self.buffers.fill(step, shape)
-        if graph is not None:
-            self.graphs.replay(graph, exact)
+        bucket = self.graphs.lookup(exact) if self.graphs is not None else None
+        shape = bucket or exact
+        self.buffers.fill(step, shape, extra_values)
+        if bucket is not None:
+            self.graphs.replay(bucket, exact)
         else:
             self.forward(shape)
-        rows = exact.rows
-        logits, sampled = self.logits[:rows], self.sampled[:rows]
-        if step.top_ks is not None or step.banned:  # the filters the forward leaves out: again
-            inputs = self.buffers.views(shape)
-            top = banned = None
-            if step.top_ks is not None:
-                top = (self.upload(step.top_ks, torch.int64),
-                       self.upload(step.top_ps, torch.float32))
-            if step.banned:
-                banned = tuple(self.upload(step.banned, torch.int64).T)
-            sampled = sample(logits, inputs["temperatures"][:rows], inputs["seeds"][:rows],
-                             inputs["sample_lens"][:rows], top, banned)
-            self.tokens.put(sampled)
+        logits, sampled = self.logits[:exact.rows], self.sampled[:exact.rows]
+        if step.top_ks is not None or step.banned:  # the filters the forward leaves out
+            sampled = self.resample(step, shape, logits)
         if step.block_copies:  # forks' copies of their parent's partial block, once it is computed
             src, dst = self.upload(step.block_copies, torch.int64).T
             self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
         return logits, sampled
 
+    def resample(self, step: StepInput, shape: StepShape, logits: torch.Tensor):
+        """Sample the step's rows again, after top-k / top-p and the min_tokens mask (the graph's
+        sampler has none of them); the new ids replace the graph's in the token table."""
+        rows = len(logits)
+        inputs = self.buffers.views(shape)
+        top = banned = None
+        if step.top_ks is not None:
+            top = (self.upload(step.top_ks, torch.int64), self.upload(step.top_ps, torch.float32))
+        if step.banned:
+            banned = tuple(self.upload(step.banned, torch.int64).T)
+        sampled = sample(logits, inputs["temperatures"][:rows], inputs["seeds"][:rows],
+                         inputs["sample_lens"][:rows], top, banned)
+        self.tokens.put(sampled)
+        return sampled
+
     @torch.inference_mode()
     def launch(self, batch: Batch) -> InFlight:
         step = build_step(batch, self.block_size)
         logits, sampled = self.run(step)
-        outputs = [sampled]
+        logprobs = None
         if step.num_logprobs is not None:
-            outputs += top_logprobs(logits, sampled, max(step.num_logprobs))
-        # from the GPU into pinned memory without waiting (copies: on the CPU the ids are a view of
-        # the buffers)
-        outputs = [t.to("cpu", non_blocking=True, copy=True) for t in outputs]
+            logprobs = Logprobs(*top_logprobs(logits, sampled, max(step.num_logprobs)))
+        sampled = to_host(sampled)
+        if logprobs is not None:
+            logprobs = Logprobs(*map(to_host, logprobs))
         done = torch.cuda.current_stream().record_event() if self.device.type == "cuda" else None
-        return InFlight(batch, outputs, done, step.num_logprobs)
+        return InFlight(batch, sampled, logprobs, step.num_logprobs, done)
 
     @staticmethod
     def collect(launched: InFlight):
@@ -230,15 +278,20 @@ class ModelRunner:
         top N and the sampled token's (a row that did not ask gets the sampled token's alone)."""
         if launched.done is not None:
             launched.done.synchronize()
-        ids, *logprobs = (t.tolist() for t in launched.outputs)
-        if not logprobs:
+        ids = launched.sampled_ids.tolist()
+        if launched.logprobs is None:
             return ids, None
-        rows = zip(ids, *logprobs, launched.num_logprobs)  # id, its logprob, top values, top ids, N
-        return ids, [dict(zip(i[:max(n, 0)], v)) | {t: c} for t, c, v, i, n in rows]
+        sampled, top_values, top_ids = (t.tolist() for t in launched.logprobs)
+        rows = []
+        for row, token in enumerate(ids):
+            top_n = max(launched.num_logprobs[row], 0)
+            top = dict(zip(top_ids[row][:top_n], top_values[row][:top_n]))
+            rows.append(top | {token: sampled[row]})
+        return ids, rows
 
     def close(self):
         if self.graphs is not None:
             self.graphs.close()
-        self.graphs = self.model = self.kv_cache = self.attention_layers = None
+        self.graphs = self.model = self.kv_cache = self.attention_layers = self.extensions = None
         self.tokens = self.buffers = self.logits = self.sampled = None
         torch.cuda.empty_cache()  # a no-op without CUDA

@@ -23,8 +23,7 @@ tokens, so the prefill part gets less, in proportion to the batch's free seats:
 it. A nearly empty batch (a burst arriving) fills fast, and filling it is what raises
 throughput; in a full batch a new prompt only takes the seat of one that finished, so
 prefilling it faster would gain nothing, and small chunks keep the gaps between tokens even
-(docs/performance.md has the measurements). `prefill_first` restores the rule before mixed
-steps (a prefill-only step whenever a prompt can be admitted), for bench's comparison.
+(docs/performance.md has the measurements).
 
 A step's life has two halves, because with overlap scheduling (llm.py) the next step is
 scheduled before this one's tokens are back:
@@ -45,14 +44,13 @@ n > 1: the step that completes a prompt also forks its request's other completio
 the full prompt blocks, each gets a copy of the partial last one (a block reserved at admission),
 and each samples its own first token from the same logits (a row per fork).
 
-LoRA adapters (layers/lora_slots.py) live in `max_loras` GPU slots, so no step may use more
-adapters than that. Admission keeps it so: a waiting sequence whose adapter is not already used
-by a running one waits while `max_loras` adapters are in use. Each step then gets a slot for
-every adapter it uses: the one the adapter already has, else a free one, else the least recently
-used slot whose adapter no running sequence needs; the load itself (`Batch.lora_loads`) runs on
-the GPU in stream order, after any step in flight that still reads the old adapter.
+Extensions. A scheduler may be handed a `slots` table: a resource of its own that each step's
+sequences need beside KV blocks (lora/slots.py's adapter slots are one). It may refuse a
+sequence at admission (`can_admit`) and it annotates each step (`assign`: the step's graph
+`variant` and its `extras`, which travel untouched to the model runner's extensions). Without
+one (`None`) the scheduler is exactly the above.
 """
-from collections import Counter, OrderedDict, deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from nanograph.engine.block_manager import BlockManager
@@ -70,9 +68,8 @@ class Batch:
     # per sampling row: who gets its token, and the index in seqs of the sequence it samples
     rows: list[tuple[Sequence, int]] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), after the step
-    lora_slots: list[int] | None = None             # per sequence: adapter slot, -1 = none
-    lora_rank: int = 0                              # rank bucket of the step's adapters, 0 = none
-    lora_loads: list = field(default_factory=list)  # (slot, Adapter) to load before this step
+    variant: int = 0  # which of the runner's graph variants the step needs; 0 = the base model's
+    extras: dict = field(default_factory=dict)  # what the slots table attached, for the runner
 
     @property
     def kind(self):
@@ -83,34 +80,27 @@ class Batch:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs, max_num_batched_tokens,
-                 max_num_mixed_tokens=None, max_model_len=1 << 30, max_loras=0, lora_ranks=()):
+                 max_num_mixed_tokens=None, max_model_len=1 << 30, slots=None):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_mixed_tokens = max_num_mixed_tokens or max_num_batched_tokens
         self.max_model_len = max_model_len
-        self.prefill_first = False
+        self.slots = slots  # an extension's slot table (see above), None = none
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
         self.num_discarded_tokens = 0
         self.steps = Counter()  # "decode" / "mixed" / "prefill" -> steps scheduled
-        self.max_loras = max_loras
-        self.lora_ranks = lora_ranks
-        self.slot_of = OrderedDict()  # Adapter -> slot, least recently used first
 
     def schedule(self):
         """The next step (None: nothing can run until an in-flight step is collected)."""
-        if self.prefill_first and (prefills := self.schedule_prefills(self.max_num_batched_tokens)):
-            return self.account([], prefills)
         preemptions = self.num_preemptions
         decodes = self.schedule_decodes()
         budget = self.prefill_budget(len(decodes)) if decodes else self.max_num_batched_tokens
-        prefills = []
-        if not self.prefill_first:
-            # a step that preempted admits no new prompt
-            admit = self.num_preemptions == preemptions
-            prefills = self.schedule_prefills(budget, admit)
+        # a step that preempted admits no new prompt
+        admit = self.num_preemptions == preemptions
+        prefills = self.schedule_prefills(budget, admit)
         return self.account(decodes, prefills) if decodes or prefills else None
 
     def prefill_budget(self, num_decodes: int) -> int:
@@ -152,49 +142,31 @@ class Scheduler:
                 break  # a chunk: the budget is spent, the rest of the prompt goes next step
             self.waiting.popleft()
             seq.status = Status.RUNNING
-            # counts towards max_num_seqs (and its adapter towards max_loras) from here
+            # counts towards max_num_seqs (and towards the slots table's limits) from here
             self.running.append(seq)
         return chunks
 
     def can_admit(self, seq: Sequence):
-        """Room for `seq` (and its forks): sequences, adapter slots, blocks."""
+        """Room for `seq` (and its forks): sequences, the slots table's say, blocks."""
         if len(self.running) + 1 + len(seq.forks) > self.max_num_seqs:
             return False
-        if seq.adapter and len(self.adapters_in_use([seq])) > self.max_loras:
-            return False  # its adapter would need a slot more than there are
+        if self.slots is not None and not self.slots.can_admit(seq, self.running):
+            return False
         partial = seq.num_prompt_tokens % self.block_manager.block_size > 0
         return seq.num_blocks + len(seq.forks) * partial <= self.block_manager.num_free_blocks
 
-    def adapters_in_use(self, seqs):
-        return {s.adapter for s in (*self.running, *seqs) if s.adapter}
-
-    def assign_slots(self, batch: Batch):
-        if not (adapters := {s.adapter for s in batch.seqs if s.adapter}):
-            return  # the base model's step: no slots, rank 0
-        for adapter in adapters:
-            if adapter not in self.slot_of:
-                slot = len(self.slot_of)  # slots are taken in order and only ever change hands
-                if slot == self.max_loras:
-                    # all taken: admission guarantees one whose adapter no running seq needs
-                    in_use = self.adapters_in_use(batch.seqs)
-                    slot = self.slot_of.pop(next(a for a in self.slot_of if a not in in_use))
-                self.slot_of[adapter] = slot
-                batch.lora_loads.append((slot, adapter))
-            self.slot_of.move_to_end(adapter)
-        batch.lora_slots = [self.slot_of[s.adapter] if s.adapter else -1 for s in batch.seqs]
-        batch.lora_rank = next(r for r in self.lora_ranks if r >= max(a.rank for a in adapters))
-
     def account(self, decodes: list[Sequence], prefills: list[tuple[Sequence, int]]):
-        """The step of `decodes` and `prefills`, treated as computed: adapter slots, counters
-        advanced, a placeholder for each sampling row, forks forked."""
+        """The step of `decodes` and `prefills`, treated as computed: the slots table's say,
+        counters advanced, a placeholder for each sampling row, forks forked."""
         batch = Batch(seqs=decodes + [seq for seq, _ in prefills],
                       num_decodes=len(decodes),
                       num_tokens=[1] * len(decodes) + [chunk for _, chunk in prefills])
-        self.assign_slots(batch)
+        if self.slots is not None:
+            self.slots.assign(batch, self.running)
         self.steps[batch.kind] += 1
-        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
+        for i, (seq, num_tokens) in enumerate(zip(batch.seqs, batch.num_tokens)):
             batch.starts.append(seq.num_computed_tokens)
-            seq.num_computed_tokens += n
+            seq.num_computed_tokens += num_tokens
             if seq.num_computed_tokens < len(seq):
                 continue  # a prefill chunk (not the prompt's end) samples nothing
             for child in seq.forks:
@@ -226,11 +198,11 @@ class Scheduler:
     def update(self, batch: Batch, sampled: list[int], logprobs: list[dict | None] | None = None):
         """Account for a collected step: each row's token (and its logprobs, when asked) into its
         sequence. Returns the sequences that got a token (finished ones with their reason)."""
-        for seq, start, n in zip(batch.seqs, batch.starts, batch.num_tokens):
+        for seq, start, num_tokens in zip(batch.seqs, batch.starts, batch.num_tokens):
             # blocks this step completed (none if it was preempted since: its counter went
             # back to 0)
             if seq.status != Status.FINISHED:
-                computed = min(start + n, seq.num_computed_tokens)
+                computed = min(start + num_tokens, seq.num_computed_tokens)
                 self.block_manager.register_computed_blocks(seq, computed)
         updated = []
         for row, ((seq, source), token) in enumerate(zip(batch.rows, sampled)):

@@ -14,9 +14,6 @@ share its prompt blocks and sample their first tokens from the same logits.
 from dataclasses import dataclass
 from enum import Enum, auto
 
-import xxhash
-
-from nanograph.adapter import Adapter
 from nanograph.sampling_params import SamplingParams
 
 
@@ -32,10 +29,13 @@ class Sequence:
     token_ids: list[int]        # the prompt (copied here), then the completion
     params: SamplingParams
     block_size: int
-    seed: int = 0               # its sampling noise stream (layers/sampler.py)
+    seed: int = 0               # its sampling noise stream (layers/sampler.py), 31 bits
     stop_ids: frozenset[int] = frozenset()  # what ends it: EOS (unless ignore_eos), stop_token_ids
-    adapter: Adapter | None = None  # its LoRA adapter, None = the base model
     request_id: int = 0         # the request it is a completion of
+    adapter: object = None      # its LoRA adapter (lora/adapter.py), None = the base model
+    # where the prefix cache's hash chain starts (block_manager.py): the same tokens under
+    # another adapter have other K/V
+    cache_salt: int = 0
 
     def __post_init__(self):
         self.token_ids = list(self.token_ids)
@@ -44,10 +44,6 @@ class Sequence:
         self.block_table: list[int] = []
         self.num_computed_tokens = 0
         self.num_hashed_blocks = 0   # leading blocks already registered in the prefix cache
-        # the prefix cache's hash chain starts here: the same tokens under another adapter have
-        # other K/V
-        self.cache_salt = (0 if self.adapter is None
-                           else xxhash.xxh64_intdigest(repr(self.adapter.request).encode()))
         self.forks: list[Sequence] = []   # the other completions of its request, not yet forked
         self.finish_reason: str | None = None   # "stop" | "length" | "abort"
         self.stop_reason: int | str | None = None  # the stop id or stop string that ended it

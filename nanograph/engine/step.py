@@ -16,6 +16,10 @@ which the host does not know yet under overlap scheduling (docs/walkthrough.md, 
 has a worked example). They resolve on the device through the `TokenTable`, `arange(vocab +
 rows)` whose last entries hold the last step's sampled ids (row r at index -1 - r): every id,
 real or placeholder, is then one gather, `table[ids]`, the forward's first op.
+
+An extension may add to a step without the base path knowing what it adds: `variant` picks one
+of its graphs (0 = the base model's), `extras` carries its data from the scheduler to the
+runner, and it may declare more fields of the flat buffer (model_runner.py, `RunnerExtension`).
 """
 from dataclasses import dataclass, field
 
@@ -33,7 +37,6 @@ class StepInput:
     input_ids: list[int] = field(default_factory=list)     # < 0: placeholder
     positions: list[int] = field(default_factory=list)
     slot_mapping: list[int] = field(default_factory=list)  # cache slot of each token
-    lora_slots: list[int] | None = None   # its adapter's slot, -1 = none; None: no adapters
     # per sequence
     context_lens: list[int] = field(default_factory=list)  # keys to attend (cached + new)
     block_tables: list[list[int]] = field(default_factory=list)  # as wide as the widest, -1 past
@@ -51,19 +54,20 @@ class StepInput:
     banned: list[tuple[int, int]] = field(default_factory=list)  # (row, token) masked: min_tokens
     # per step
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # after the forward: forks
-    lora_rank: int = 0                    # the step's LoRA rank bucket, 0 = no adapters
-    lora_loads: list = field(default_factory=list)  # (slot, Adapter) to load first (scheduler.py)
+    variant: int = 0                      # which graph variant it needs (Batch.variant)
+    extras: dict = field(default_factory=dict)  # what extensions attached (Batch.extras)
 
     def exact_shape(self):
         """The shape that holds this step and nothing more (an eager step's)."""
-        n = self.num_decodes
-        cu = self.cu_seqlens_q[n:]
-        return StepShape(decodes=n,
-                         prefill_tokens=len(self.input_ids) - n,
-                         chunks=len(self.context_lens) - n,
+        num_decodes = self.num_decodes
+        chunk_offsets = self.cu_seqlens_q[num_decodes:]
+        chunk_lens = [end - start for start, end in zip(chunk_offsets, chunk_offsets[1:])]
+        return StepShape(decodes=num_decodes,
+                         prefill_tokens=len(self.input_ids) - num_decodes,
+                         chunks=len(self.context_lens) - num_decodes,
                          rows=len(self.temperatures),
-                         lora_rank=self.lora_rank,
-                         max_chunk=max((b - a for a, b in zip(cu, cu[1:])), default=0))
+                         variant=self.variant,
+                         max_chunk=max(chunk_lens, default=0))
 
 
 @dataclass(frozen=True)
@@ -75,7 +79,7 @@ class StepShape:
     prefill_tokens: int = 0
     chunks: int = 0
     rows: int = 0
-    lora_rank: int = 0
+    variant: int = 0    # an extension's graph variant (LoRA: the rank bucket); 0 = base model
     max_chunk: int = 0  # a bound on a chunk's length: it sizes the prefill kernel's grid
 
     @property
@@ -90,14 +94,11 @@ class StepShape:
 def build_step(batch: Batch, block_size) -> StepInput:
     step = StepInput(num_decodes=batch.num_decodes,
                      block_copies=batch.block_copies,
-                     lora_rank=batch.lora_rank,
-                     lora_loads=batch.lora_loads)
-    if batch.lora_slots is not None:
-        step.lora_slots = [slot for slot, n in zip(batch.lora_slots, batch.num_tokens)
-                           for _ in range(n)]
+                     variant=batch.variant,
+                     extras=batch.extras)
     width = max(len(seq.block_table) for seq in batch.seqs)
-    for seq, start, n in zip(batch.seqs, batch.starts, batch.num_tokens):
-        end = start + n
+    for seq, start, num_tokens in zip(batch.seqs, batch.starts, batch.num_tokens):
+        end = start + num_tokens
         step.input_ids += seq.token_ids[start:end]
         step.positions += range(start, end)
         table = seq.block_table
@@ -111,7 +112,7 @@ def build_step(batch: Batch, block_size) -> StepInput:
         step.sample_indices.append(step.cu_seqlens_q[source + 1] - 1)
         step.sample_lens.append(step.context_lens[source])
         step.temperatures.append(seq.params.temperature)
-        step.seeds.append(seq.seed & 0x7FFFFFFF)
+        step.seeds.append(seq.seed)
         if step.sample_lens[-1] - seq.num_prompt_tokens < seq.params.min_tokens:
             step.banned += [(row, token) for token in seq.stop_ids]
     if any(p.top_k > 0 or p.top_p < 1 for p in params):  # they cost a sort: only when asked
@@ -124,24 +125,32 @@ def build_step(batch: Batch, block_size) -> StepInput:
 
 class StepBuffers:
     """A step's inputs on the device: one flat int32 tensor, filled from a pinned host mirror with
-    one non-blocking copy. Its fields lie back to back, each as long as the step's shape needs
-    (tokens, sequences, rows), so a small step copies a few hundred bytes; a CUDA graph replays the
-    views of its own shape, whose offsets never change.
+    one non-blocking copy. Its fields lie back to back, each as long as the step's shape needs,
+    so a small step copies a few hundred bytes; a CUDA graph replays the views of its own shape,
+    whose offsets never change. For a shape with d decode rows, p prefill tokens, c chunks and
+    r sampling rows:
+
+        | input_ids positions slot_mapping | context_lens | sample_indices ... seeds | cu_seqlens_q | block_tables    |
+        |   each d + p (a token's)         |  d + c       |  each r (a row's)        |  c + 1       | (d + c) x width |
+
+    A token's and a sequence's fields hold the decode part at 0 and the prefill part at d, each
+    padded after its live entries (`place`); a row's fields hold the live rows first
+    (`place_rows`). Padding is neutral: token 0 at position 0, no cache slot, no context, greedy;
+    a padded chunk has length 0 (its offset repeats the last live one). An extension may add
+    fields (per token, sequence or row, with their padding) after the base ones.
 
     There are two host mirrors, used in turn: with overlap scheduling the host fills step N+1
     while step N's copy may not have run yet; step N-1, which used the other mirror, has been
     collected by then, so that mirror is free."""
 
-    # field -> (what it is per, its value in padding): token 0 at position 0, no cache slot,
-    # no adapter, no context, greedy; a padded chunk has length 0 (it ends where the last real
-    # one does)
+    # field -> (what it is per, its value in padding)
     FIELDS = {"input_ids": ("token", 0), "positions": ("token", 0), "slot_mapping": ("token", -1),
-              "lora_slots": ("token", -1), "context_lens": ("seq", 0), "sample_indices": ("row", 0),
-              "sample_lens": ("row", 0), "temperatures": ("row", 0), "seeds": ("row", 0),
-              "cu_seqlens_q": ("chunk", None)}
+              "context_lens": ("seq", 0), "sample_indices": ("row", 0), "sample_lens": ("row", 0),
+              "temperatures": ("row", 0), "seeds": ("row", 0)}
 
-    def __init__(self, max_tokens, max_seqs, max_blocks, device):
+    def __init__(self, max_tokens, max_seqs, max_blocks, device, extra_fields=None):
         self.max_blocks = max_blocks
+        self.fields = self.FIELDS | (extra_fields or {})
         largest = StepShape(decodes=max_tokens, chunks=max_seqs, rows=max_seqs)
         size = self.layout(largest)["block_tables"].stop
         self.device_flat = torch.zeros(size, dtype=torch.int32, device=device)
@@ -150,15 +159,14 @@ class StepBuffers:
         self.turn = 0
 
     def layout(self, shape: StepShape) -> dict[str, slice]:
-        """Where each field of a step of `shape` lies, the block tables last."""
-        lengths = {"token": shape.tokens,
-                   "seq": shape.seqs,
-                   "row": shape.rows,
-                   "chunk": shape.chunks + 1}
+        """Where each field of a step of `shape` lies, the query offsets and block tables last."""
+        lengths = {"token": shape.tokens, "seq": shape.seqs, "row": shape.rows}
         slices, start = {}, 0
-        for name, (per, _) in self.FIELDS.items():
+        for name, (per, _) in self.fields.items():
             slices[name] = slice(start, start + lengths[per])
             start += lengths[per]
+        slices["cu_seqlens_q"] = slice(start, start + shape.chunks + 1)
+        start = slices["cu_seqlens_q"].stop
         slices["block_tables"] = slice(start, start + shape.seqs * self.max_blocks)
         return slices
 
@@ -170,32 +178,50 @@ class StepBuffers:
         views["block_tables"] = views["block_tables"].view(shape.seqs, self.max_blocks)
         return views
 
-    def fill(self, step: StepInput, shape: StepShape):
-        """Copy `step` into the layout of `shape`, padding what it does not fill."""
+    def fill(self, step: StepInput, shape: StepShape, extra_values: dict | None = None):
+        """Copy `step` (and the values of the extensions' fields) into the layout of `shape`,
+        padding what it does not fill, and start the copy to the device."""
         flat = self.host_flats[self.turn]
         self.turn ^= 1
         host = {name: view.numpy() for name, view in self.views(shape, flat).items()}
-        n, d = step.num_decodes, shape.decodes
-        offsets = [offset - n for offset in step.cu_seqlens_q[n:]]  # within the prefill part
+        num_decodes = step.num_decodes
         # a sampling row's token index in the layout of `shape` (the prefill part starts at d)
-        sample_indices = [i if i < n else i - n + d for i in step.sample_indices]
-        fields = vars(step) | {"lora_slots": step.lora_slots or [-1] * len(step.input_ids),
-                               "sample_indices": sample_indices,
-                               "cu_seqlens_q": offsets}
-        for name, (per, pad) in self.FIELDS.items():
-            values, view = fields[name], host[name]
-            # per token or sequence: the decode part at 0, the prefill part at d
-            split, start = (n, d) if per in ("token", "seq") else (0, 0)
-            view[:] = offsets[-1] if pad is None else pad
-            view[:split] = values[:split]
-            view[start:start + len(values) - split] = values[split:]
+        sample_indices = [i if i < num_decodes else i - num_decodes + shape.decodes
+                          for i in step.sample_indices]
+        values = vars(step) | (extra_values or {}) | {"sample_indices": sample_indices}
+        for name, (per, pad) in self.fields.items():
+            if name not in values:  # an extension's field it left out this step: all padding
+                host[name][:] = pad
+            elif per == "row":
+                place_rows(host[name], values[name], pad)
+            else:
+                place(host[name], values[name], num_decodes, shape.decodes, pad)
+        # the chunks' query offsets, counted from the prefill part's start; padded chunks are
+        # empty: their offsets repeat the last live one
+        chunk_offsets = [offset - num_decodes for offset in step.cu_seqlens_q[num_decodes:]]
+        place_rows(host["cu_seqlens_q"], chunk_offsets, pad=chunk_offsets[-1])
         tables = host["block_tables"]
         tables[:] = -1  # past each table, and the padded sequences' (never read)
-        for part, start in ((step.block_tables[:n], 0), (step.block_tables[n:], d)):
+        decode_tables, chunk_tables = step.block_tables[:num_decodes], step.block_tables[num_decodes:]
+        for part, start in ((decode_tables, 0), (chunk_tables, shape.decodes)):
             if part:
                 tables[start:start + len(part), :len(part[0])] = part
         end = self.layout(shape)["block_tables"].stop
         self.device_flat[:end].copy_(flat[:end], non_blocking=True)
+
+
+def place_rows(view, values: list, pad):
+    """values at the start of `view`, padding after them."""
+    view[:] = pad
+    view[:len(values)] = values
+
+
+def place(view, values: list, num_decodes: int, decode_bucket: int, pad):
+    """A token's or a sequence's field: the decode part of `values` (its first num_decodes) at 0,
+    the prefill part at decode_bucket, padding after each."""
+    view[:] = pad
+    view[:num_decodes] = values[:num_decodes]
+    view[decode_bucket:decode_bucket + len(values) - num_decodes] = values[num_decodes:]
 
 
 class TokenTable:

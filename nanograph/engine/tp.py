@@ -50,7 +50,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from nanograph.config import Config
-from nanograph.engine.model_runner import ModelRunner
+from nanograph.engine.model_runner import ModelRunner, RunnerExtension
 from nanograph.engine.step import StepInput
 
 # a collective inside a step (or start-up) waits at most this
@@ -79,7 +79,7 @@ def broadcast_step(step: StepInput | None, group) -> StepInput | None:
     return message[0]
 
 
-def worker_main(config: Config, rank: int, port: int):
+def worker_main(config: Config, rank: int, port: int, extensions: list[RunnerExtension]):
     # Ctrl-C is for the parent, which then shuts us down
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # orphaned: exit
@@ -88,7 +88,7 @@ def worker_main(config: Config, rank: int, port: int):
                           is_master=False, timeout=STEP_TIMEOUT)
     store.add("workers_connected", 1)
     init_distributed(config, rank, store)
-    runner = ModelRunner(config, rank)
+    runner = ModelRunner(config, rank, extensions)  # the same extensions, installed here
     # for the per-step control messages
     group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
     while (step := broadcast_step(None, group)) is not None:
@@ -124,7 +124,7 @@ def shutdown(procs, group_ref, num_threads):
 class TensorParallelRunner(ModelRunner):
     """Rank 0: a ModelRunner for its own shard whose steps also go to the workers it drives."""
 
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, extensions: list[RunnerExtension] = ()):
         n = config.tensor_parallel_size
         if config.device.startswith("cuda") and torch.cuda.device_count() < n:
             raise ValueError(
@@ -136,7 +136,8 @@ class TensorParallelRunner(ModelRunner):
                               timeout=STEP_TIMEOUT)
         # spawned children inherit os.environ (NCCL settings included)
         ctx = mp.get_context("spawn")
-        self.procs = [ctx.Process(target=worker_main, args=(config, rank, store.port), daemon=True,
+        self.procs = [ctx.Process(target=worker_main, args=(config, rank, store.port, extensions),
+                                  daemon=True,
                                   name=f"nanograph-tp-rank{rank}") for rank in range(1, n)]
         for p in self.procs:
             p.start()
@@ -148,7 +149,7 @@ class TensorParallelRunner(ModelRunner):
                     raise RuntimeError(dead)
             init_distributed(config, 0, store)
             # every rank builds its runner (and runs its own warm-up forwards) before steps are sent
-            super().__init__(config, 0)
+            super().__init__(config, 0, extensions)
             # as the workers do, in order
             self.group_ref[0] = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
         except BaseException as e:

@@ -16,7 +16,7 @@ rows x parts x rank blocks) computes them, "expand" (grid rows x output tiles) r
 the part that owns each output feature (a fused layer's outputs are its parts stacked: q|k|v,
 gate|up) and adds the delta to y in fp32, rounding once. Where the product itself is one of
 gemv.py's kernels (a few rows), that kernel does the expand as it computes y (one kernel fewer).
-There the shrink of the O and down projections also computes a fold (layers/lora_slots.py):
+There the shrink of the O and down projections also computes a fold (lora/layer.py):
 parts after the layer's own whose A rows span [x | residual], K + RES_K columns, and give the h
 of the projection after the next norm (gate/up, the next layer's q/k/v) but for the norm's
 1 / rms, which that product applies; the A of the own parts is zero past K. The rank is not a
@@ -54,7 +54,7 @@ def _shrink_kernel(x_ptr, residual_ptr, a_ptr, h_ptr, slots_ptr, K, RES_K,
                    RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
                    PDL: tl.constexpr):
     """h[t, p, r] = A[slot, p, r, :] . x[t] for BLOCK_R ranks r of row t, part p. With RES_K > 0
-    the row is [x[t] | residual[t]], K + RES_K columns (a fold, layers/lora_slots.py; the A of
+    the row is [x[t] | residual[t]], K + RES_K columns (a fold, lora/layer.py; the A of
     the layer's own parts is zero past K)."""
     t = tl.program_id(0)
     p = tl.program_id(1)
@@ -99,7 +99,7 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor
     with slot -1 are left unwritten). x: [T, K]; lora_a: [S, P, R, K (+ residual's width)];
     token_slots: [T] int32; 1 <= rank <= R: only the first `rank` rank columns are read (one
     compile per value). With a residual [T, K2] every part multiplies [x | residual] (a fold,
-    layers/lora_slots.py; the layer's own parts are zero past K)."""
+    lora/layer.py; the layer's own parts are zero past K)."""
     num_rows, k = x.shape
     res_k = 0 if residual is None else residual.shape[1]
     assert x.stride(-1) == lora_a.stride(-1) == 1 and lora_a.shape[3] == k + res_k

@@ -1,5 +1,5 @@
 """y = x W^T for a handful of rows (decode at small batch): a weight-streaming GEMV for one or two
-rows, a tensor-core kernel for up to 16 (layers/linear.py picks).
+rows, a tensor-core kernel for up to 16 (fast/chain.py picks).
 
 At batch 1 a linear layer reads its whole weight matrix to do 2 flops per weight: the product
 is a memory copy with a dot product attached, and its time is the weight bytes over DRAM
@@ -18,7 +18,7 @@ whatever the batch size: a token's result does not depend on its graph bucket's 
 
 Three fusions save dependent kernels (each kernel in the chain costs about a microsecond of
 latency even when its weights are already in flight):
-- `norm`: the input is `rms_norm(x + residual)` (layers/norm.py's DeferredNorm). A GEMV
+- `norm`: the input is `rms_norm(x + residual)` (a deferred norm, fast/chain.py). A GEMV
   program has the whole input row anyway (BLOCK_K >= K), so it adds, normalises and scales it
   itself; program 0 also writes x + residual, the residual stream for later layers.
 - `silu_and_mul`: for the MLP's [gate | up] weight, a program holds the gate row o and the up
@@ -26,12 +26,12 @@ latency even when its weights are already in flight):
   LoRA delta) the same way, and it writes silu(gate) * up directly.
 - `lora`: in a step with adapters each row adds its adapter's delta B h to its outputs; the B
   rows are loaded before the wait, like the weights. h, a few numbers per row, comes from
-  kernels/bgmv.py's shrink. Behind a deferred norm it is a fold's (layers/lora_slots.py), which
+  kernels/bgmv.py's shrink. Behind a deferred norm it is a fold's (lora/layer.py), which
   lacks only the norm's 1 / rms: this kernel computes that anyway and applies it. So of a
   layer's four projections only O and down launch a shrink, and the norms stay deferred.
 The GEMV rounds like the torch path (layers/norm.py, models/decoder.py) at every step.
 
-Tensor cores from two or three rows on (layers/linear.py says where). On CUDA cores every extra
+Tensor cores from two or three rows on (fast/chain.py says where). On CUDA cores every extra
 row costs at least one FMA per weight: on Qwen3-8B, 3 extra rows x 7.57 G weights are 22.7 G
 FMAs, 0.68 ms at 33.4 T FMAs a second, before any load or conversion. `_tensor_core_kernel`
 makes the extra rows almost free. A program owns TC_TILE_ROWS = 64 weight rows and walks all of
@@ -150,7 +150,7 @@ def _gemv_kernel(
         lora_scale = 1.0
         if NORM:  # rounded like layers/norm.py
             f = x.to(tl.float32)
-            # a fold's h lacks the norm's 1 / rms too (layers/lora_slots.py)
+            # a fold's h lacks the norm's 1 / rms too (lora/layer.py)
             lora_scale = tl.rsqrt(tl.sum(f * f, 0) / K + eps)
             x = norm_w * (f * lora_scale).to(x.dtype)
         y = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], 1) + bias
@@ -220,7 +220,7 @@ def _tensor_core_kernel(
             acc = tl.dot(tl.where(in_part, b[s], 0.0), tl.trans(h_s), acc,
                          input_precision=DOT_PRECISION)
     y = tl.trans(acc)
-    if NORM:  # a fold's h lacks the 1 / rms too (layers/lora_slots.py): it gets it here
+    if NORM:  # a fold's h lacks the 1 / rms too (lora/layer.py): it gets it here
         y *= tl.rsqrt(sum_sq / K + eps)[:, None]
     bias = tl.load(bias_ptr + w_rows, mask=w_rows < num_w_rows * HAS_BIAS, other=0.0)
     y += bias.to(tl.float32)[None, :]
@@ -244,7 +244,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
          silu_and_mul: bool = False, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
          residual: torch.Tensor | None = None, residual_out: torch.Tensor | None = None,
          lora: tuple | None = None, tensor_cores: bool = False) -> torch.Tensor:
-    """x: [M, K], M <= 16 (layers/linear.py decides, and which kernel); weight: [N, K] (or
+    """x: [M, K], M <= 16 (fast/chain.py decides, and which kernel); weight: [N, K] (or
     [2N, K] = [gate | up] with silu_and_mul); bias: [N] / [2N] or None. Returns [M, N]:
     x W^T + bias, or silu(gate) * up. With norm_weight the input is rms_norm(x (+ residual))
     instead of x, and x + residual is written to residual_out. With lora = (h, lora_b,

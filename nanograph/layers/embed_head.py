@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from nanograph.layers.linear import linear, parameter, tp_rank, tp_size
+from nanograph.layers.linear import parameter, tp_rank, tp_size
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -36,10 +36,11 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    gemv_rows = 2  # the model's gemv_max_rows (models/decoder.py sets it)
-
     def forward(self, hidden):
-        logits = linear(self, hidden)
+        return self.gather(F.linear(hidden, self.weight))
+
+    def gather(self, logits: torch.Tensor):
+        """Every rank's slice of the vocabulary, concatenated; the padding cut off."""
         if tp_size() > 1:
             parts = [torch.empty_like(logits) for _ in range(tp_size())]
             dist.all_gather(parts, logits)

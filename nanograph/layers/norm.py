@@ -6,15 +6,8 @@ stream next to the hidden state lets the add and the norm run as one kernel on C
 torch function below, compiled (utils/compile.py), which fuses the add, the float32 reduction
 and the scale by itself. The arithmetic follows HF exactly (normalise in float32, cast back,
 then scale) so greedy outputs match transformers token for token in float32; uncompiled, the
-same function is the CPU path and the oracle of the GEMV's deferred norm.
-
-Deferred norms. In a decode step at small batch every norm feeds a GEMV (QKV, gate/up) that
-reads the whole input row anyway, so with `defer=True` the norm launches nothing: it returns a
-`DeferredNorm` and the GEMV applies it as it loads its input (kernels/gemv.py), one dependent
-kernel fewer per norm. The residual it returns is an empty buffer that the GEMV fills.
+same function is the CPU path.
 """
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
@@ -35,26 +28,11 @@ def add_rms_norm(x, residual, weight, eps: float):
     return rms_norm(x, weight, eps), x
 
 
-@dataclass
-class DeferredNorm:
-    """rms_norm(x + residual) * weight, left for the GEMV that consumes it; x + residual goes
-    to residual_out (both None for the first layer's norm, which has no residual)."""
-    x: torch.Tensor
-    weight: torch.Tensor | None = None  # None: no norm, x as it is
-    eps: float = 0.0
-    residual: torch.Tensor | None = None
-    residual_out: torch.Tensor | None = None
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x, residual=None, defer=False):
-        if defer:
-            out = DeferredNorm(x, self.weight, self.eps, residual,
-                               None if residual is None else torch.empty_like(x))  # residual_out
-            return out, (x if residual is None else out.residual_out)
+    def forward(self, x, residual=None):
         return add_rms_norm(x, residual, self.weight, self.eps)

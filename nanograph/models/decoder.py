@@ -9,6 +9,12 @@ The forward pass takes a flat batch of tokens ([num_tokens]), not [batch, seq]: 
 different lengths and decode tokens are concatenated, and attention finds each token's sequence
 through the per-step metadata. The parameter names match the HF checkpoints, except that
 q/k/v and gate/up are fused; `packed_modules` tells the loader how to fill the fused weights.
+
+Each block is the textbook pre-norm pair, with the residual stream carried beside the hidden
+state so that each add runs inside the norm that follows it (layers/norm.py):
+    norm -> QKV -> rotary, K/V store and attention -> O        (attention)
+    norm -> [gate | up] -> SiLU(gate) * up -> down            (MLP)
+Extensions change a block from outside, by swapping modules in (llm.py installs them).
 """
 import torch.nn.functional as F
 from torch import nn
@@ -16,11 +22,10 @@ from torch import nn
 from nanograph.layers.attention import Attention
 from nanograph.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanograph.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
-                                     RowParallelLinear, gemv_max_rows, tp_size, use_gemv)
+                                     RowParallelLinear)
 from nanograph.layers.norm import RMSNorm
 from nanograph.layers.rotary import RotaryEmbedding
 from nanograph.utils.compile import cuda_compiled
-from nanograph.utils.context import get_step_metadata
 
 
 def head_dim(cfg):
@@ -31,14 +36,6 @@ def head_dim(cfg):
 def silu_and_mul(x):
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
-
-
-def defer_norm(x):
-    """Whether the norm of `x` is deferred into the GEMV that reads it (see norm.py): at small
-    decode batches on CUDA, and in a LoRA step only where a fold has made the GEMV's h
-    (layers/lora_slots.py): not the first layer's, nor with tp > 1."""
-    md = get_step_metadata()
-    return use_gemv(x) and not (md.lora_rank and md.lora_fold is None)
 
 
 class DecoderAttention(nn.Module):
@@ -57,10 +54,14 @@ class DecoderAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.attn = Attention(self.head_dim ** -0.5, rope, self.q_norm, self.k_norm)
 
-    def forward(self, positions, x, residual):
-        heads = self.qkv_proj(x).unflatten(-1, (-1, self.head_dim))
-        q, k, v = heads.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
-        return self.o_proj(self.attn(positions, q, k, v).flatten(1), residual)
+    def forward(self, positions, x):
+        q, k, v = self.split_heads(self.qkv_proj(x))
+        return self.o_proj(self.attn(positions, q, k, v).flatten(1))
+
+    def split_heads(self, qkv):
+        """[tokens, (Hq + 2 Hkv) D] -> q [tokens, Hq, D], k and v [tokens, Hkv, D]."""
+        heads = qkv.unflatten(-1, (-1, self.head_dim))
+        return heads.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
 
 
 class DecoderMLP(nn.Module):
@@ -71,11 +72,8 @@ class DecoderMLP(nn.Module):
                                                        [cfg.intermediate_size] * 2, bias)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias)
 
-    def forward(self, x, residual):
-        # the GEMV applies the activation itself (after the LoRA delta, kernels/gemv.py)
-        gate_up = self.gate_up_proj(x, silu_and_mul=True) if use_gemv(x) \
-            else silu_and_mul(self.gate_up_proj(x))
-        return self.down_proj(gate_up, residual)
+    def forward(self, x):
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -88,10 +86,10 @@ class DecoderLayer(nn.Module):
 
     def forward(self, positions, x, residual):
         # residual carries the un-normalised stream
-        x, residual = self.input_layernorm(x, residual, defer_norm(x))
-        x = self.self_attn(positions, x, residual)
-        x, residual = self.post_attention_layernorm(x, residual, defer_norm(x))
-        return self.mlp(x, residual), residual
+        x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class DecoderModel(nn.Module):
@@ -130,23 +128,6 @@ class DecoderForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        widest_input = max(cfg.hidden_size,
-                           cfg.num_attention_heads * head_dim(cfg) // tp_size(),
-                           cfg.intermediate_size // tp_size())
-        for module in self.modules():
-            if hasattr(module, "gemv_rows"):
-                module.gemv_rows = gemv_max_rows(widest_input)
 
     def forward(self, input_ids, positions):
         return self.model(input_ids, positions)
-
-    def lora_folds(self):
-        """(producer, consumer, norm): the consumer's input is norm(the producer's output + the
-        residual stream). With one rank and no bias in the producer, the consumer's LoRA shrink
-        folds into the producer's (layers/lora_slots.py)."""
-        layers = self.model.layers
-        folds = [(layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.post_attention_layernorm)
-                 for layer in layers]
-        folds += [(a.mlp.down_proj, b.self_attn.qkv_proj, b.input_layernorm)
-                  for a, b in zip(layers, layers[1:])]
-        return [fold for fold in folds if fold[0].bias is None] if tp_size() == 1 else []

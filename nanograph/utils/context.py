@@ -2,14 +2,14 @@
 
 The decoder layers are ordinary nn.Modules whose forward takes only hidden states and positions,
 exactly like a training model. Everything attention needs to find the paged KV cache (which
-slot each new token writes to, which blocks each sequence owns, how long each context is), and
-which LoRA adapter each token uses, changes every step, so the runner publishes it here and the
-Attention and linear layers read it. One global is the simplest honest way to do this: one
-forward pass runs at a time, and it keeps the model code free of plumbing.
+slot each new token writes to, which blocks each sequence owns, how long each context is)
+changes every step, so the runner publishes it here and the Attention layers read it. One
+global is the simplest honest way to do this: one forward pass runs at a time, and it keeps the
+model code free of plumbing.
 
 The tensors in here are views of the runner's static step buffers (engine/step.py), so a CUDA
-graph's replay sees whatever the runner copied into them just before; the plain ints (the LoRA
-rank, a chunk's length bound) are fixed per graph.
+graph's replay sees whatever the runner copied into them just before; the plain ints (a chunk's
+length bound) are fixed per graph.
 """
 from dataclasses import dataclass
 
@@ -31,9 +31,6 @@ class StepMetadata:
     num_decodes: int                        # tokens [0, num_decodes) decode, one a sequence
     decode: AttentionInputs | None = None   # the decode rows, if any
     prefill: AttentionInputs | None = None  # the prefill chunks after them, if any
-    lora_rank: int = 0                      # rank bucket of the step's adapters, 0 = no LoRA
-    lora_slots: torch.Tensor | None = None  # [tokens] int32 adapter slot of each token
-    lora_fold: torch.Tensor | None = None   # a producer's folded h for the next LoRA layer
 
 
 _metadata: StepMetadata | None = None

@@ -10,7 +10,7 @@ An adapter is checked when its first request comes in, from the config and the t
 (no tensor is read): every tensor must target a layer and module the model has, with the shape
 that module and the adapter's rank imply, so a bad adapter is a clear error before any work,
 never a crash mid-generation. Its weights are read from disk when the engine loads it into one
-of its GPU slots (layers/lora_slots.py), which may happen again after it was evicted.
+of its GPU slots (lora/layer.py), which may happen again after it was evicted.
 """
 import json
 import math
@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import xxhash
 from safetensors import safe_open
 
 # PEFT's names of a decoder layer's linear modules
@@ -41,6 +42,12 @@ class Adapter:
     request: LoRARequest
     rank: int
     scaling: float
+
+    @property
+    def cache_salt(self) -> int:
+        """Where its sequences' prefix-cache hash chains start: its K/V differ from the base
+        model's and other adapters' for the same tokens."""
+        return xxhash.xxh64_intdigest(repr(self.request).encode())
 
 
 def module_shapes(hf):
