@@ -172,13 +172,13 @@ def chi_square_p_value(tokens: torch.Tensor, probs: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("drafter", ["adversarial_q", "adversarial_q_sampler_noise", "one_hot"])
 def test_emitted_tokens_follow_the_target_distribution(drafter):
-    """Over 30,000 seeds on a 6-token vocabulary, each position's emitted token is distributed as
+    """Over 20,000 seeds on a 6-token vocabulary, each position's emitted token is distributed as
     p (temperature 0.8, top-k 4), whatever the drafts: a draft model whose q favours what p
     does not (including tokens outside top-k), drawn independently or with the sampler's own
     noise (as a draft model in the engine would), or fixed drafts (one-hot q). The positions are
     context-free (fixed logits), so position j's token, where it is reached, is distributed as
     p_j."""
-    trials, k, vocab = 30_000, 2, 6
+    trials, k, vocab = 20_000, 2, 6
     generator = torch.Generator().manual_seed(5)
     position_logits = torch.randn(k + 1, vocab, generator=generator)
     temperature, top_k = 0.8, 4
@@ -211,3 +211,42 @@ def test_emitted_tokens_follow_the_target_distribution(drafter):
     first = (out.num_accepted >= 1).double().mean().item()
     expected = p[0][drafts[0, 0]] if draft_probs is None else torch.minimum(p[0], q[0]).sum()
     assert abs(first - expected.item()) < 0.015
+
+
+# ---- the bench's replay proposer ------------------------------------------------------------
+def test_replay_proposer_sets_the_acceptance_rate():
+    """Drafting a greedy target's own continuation with each token corrupted at rate 0.3, greedy
+    verification emits the continuation unchanged, each draft is accepted with probability 0.7,
+    and a step with k = 4 emits (1 - 0.7^5) / (1 - 0.7) tokens on average."""
+    import os
+    import sys
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from benchmarks.spec_proposers import ReplayProposer
+
+    rng = random.Random(6)
+    vocab, prompt_len, k, rate = 50, 8, 4, 0.3
+    references = [[rng.randrange(vocab) for _ in range(prompt_len + rng.randint(300, 400))]
+                  for _ in range(16)]
+    proposer = ReplayProposer(references, prompt_len, rate, vocab, seed=1)
+    clean, _ = ReplayProposer(references, prompt_len, 0.0, vocab).propose(
+        torch.tensor([r[:prompt_len + 5] for r in references]), torch.full((16,), 12), k)
+    assert clean.tolist() == [r[12:12 + k] for r in references]
+    # a greedy target whose argmax is the reference; rows in reverse order, so the keys matter
+    seqs = [r[:prompt_len] for r in reversed(references)]
+    width = max(map(len, references)) + k + 1
+    steps = emitted = drafted = 0
+    while all(len(s) + k + 1 < len(r) for s, r in zip(seqs, reversed(references))):
+        tokens = torch.tensor([s + [0] * (width - len(s)) for s in seqs])
+        lengths = torch.tensor(list(map(len, seqs)))
+        drafts, num_drafts = proposer.propose(tokens, lengths, k)
+        targets = torch.tensor([r[len(s):len(s) + k + 1]
+                                for s, r in zip(seqs, reversed(references))])
+        logits = torch.nn.functional.one_hot(targets, vocab).float() * 10
+        out = verify(logits, drafts, torch.zeros(16), torch.zeros(16), lengths, num_drafts)
+        for s, row in zip(seqs, out.tokens.tolist()):
+            s += [t for t in row if t >= 0]
+        steps, emitted = steps + 1, emitted + (out.num_accepted + 1).sum().item()
+        drafted += num_drafts.sum().item()
+    assert all(s == r[:len(s)] for s, r in zip(seqs, reversed(references)))
+    assert drafted == 16 * k * steps
+    assert abs(emitted / (16 * steps) - (1 - (1 - rate) ** (k + 1)) / rate) < 0.1
