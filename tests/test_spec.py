@@ -109,12 +109,12 @@ def test_deterministic_drafts_emit_plain_sampling_s_tokens():
     temperatures = torch.tensor([0.0, 0.6, 1.0, 1.5] * (rows // 4))
     top_ks = torch.tensor([-1, 5, -1, 10] * (rows // 4))
     top_ps = torch.tensor([1.0, 1.0, 0.8, 0.9] * (rows // 4))
-    # drafts: plain sampling's tokens, each replaced by another with probability 0.4
     plain = torch.tensor([[plain_token(logits[r, j], temperatures[r].item(), seeds[r].item(),
                                        lengths[r].item() + j, (top_ks[r], top_ps[r]))
-                           for j in range(k)] for r in range(rows)])
+                           for j in range(k + 1)] for r in range(rows)])
+    # drafts: plain sampling's tokens, each replaced by another with probability 0.4
     wrong = torch.rand(rows, k, generator=generator) < 0.4
-    drafts = torch.where(wrong, (plain + 1) % vocab, plain)
+    drafts = torch.where(wrong, (plain[:, :k] + 1) % vocab, plain[:, :k])
     num_drafts = torch.randint(0, k + 1, (rows,), generator=generator)
     out = verify(logits, drafts, temperatures, seeds, lengths, num_drafts,
                  top=(top_ks, top_ps))
@@ -124,6 +124,11 @@ def test_deterministic_drafts_emit_plain_sampling_s_tokens():
     for row, tokens in enumerate(expected):
         assert out.num_accepted[row] == len(tokens) - 1
         assert out.tokens[row, :len(tokens)].tolist() == tokens
+    # a verify forward has plain sampling's tokens at every position already: then only they
+    # count (the logits are not read again)
+    given = verify(torch.zeros_like(logits), drafts, temperatures, seeds, lengths, num_drafts,
+                   plain=plain)
+    assert torch.equal(given.tokens, out.tokens)
 
 
 def test_a_draft_model_equal_to_the_target_has_every_draft_accepted():

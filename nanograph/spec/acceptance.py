@@ -69,11 +69,14 @@ def target_probs(logits, temperatures, top: tuple | None = None):
 
 def verify(logits: torch.Tensor, drafts: torch.Tensor, temperatures: torch.Tensor,
            seeds: torch.Tensor, lengths: torch.Tensor, num_drafts: torch.Tensor | None = None,
-           draft_probs: torch.Tensor | None = None, top: tuple | None = None) -> Verified:
+           draft_probs: torch.Tensor | None = None, top: tuple | None = None,
+           plain: torch.Tensor | None = None) -> Verified:
     """logits [rows, k + 1, vocab]; drafts [rows, k]; per row its temperature (0 = greedy), seed,
     length (the index of the token position 0 samples) and number of drafts (default k);
     draft_probs [rows, k, vocab] the distributions the drafts were drawn from, None for
-    deterministic drafts; top = (top_ks, top_ps) per row, as the sampler takes them."""
+    deterministic drafts; top = (top_ks, top_ps) per row, as the sampler takes them; plain
+    [rows, k + 1] plain sampling's tokens where the caller has them already (a verify forward
+    that samples every position does)."""
     rows, positions, vocab = logits.shape
     k = positions - 1
     steps = torch.arange(positions, device=logits.device)
@@ -84,8 +87,9 @@ def verify(logits: torch.Tensor, drafts: torch.Tensor, temperatures: torch.Tenso
 
     flat_top = None if top is None else tuple(per_position(t) for t in top)
     flat_logits = logits.reshape(rows * positions, vocab)
-    plain = sample(flat_logits, per_position(temperatures), per_position(seeds),
-                   indices.flatten(), flat_top).view(rows, positions)
+    if plain is None:
+        plain = sample(flat_logits, per_position(temperatures), per_position(seeds),
+                       indices.flatten(), flat_top).view(rows, positions)
     # a row with fewer drafts: past them, rejections with q = 0, which emit from p (plain)
     has_draft = steps[:k] < (k if num_drafts is None else num_drafts[:, None])
     accepted = (drafts == plain[:, :k]) & has_draft
