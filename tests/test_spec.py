@@ -255,3 +255,38 @@ def test_replay_proposer_sets_the_acceptance_rate():
     assert all(s == r[:len(s)] for s, r in zip(seqs, reversed(references)))
     assert drafted == 16 * k * steps
     assert abs(emitted / (16 * steps) - (1 - (1 - rate) ** (k + 1)) / rate) < 0.1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("with_draft_probs", [False, True])
+def test_drafting_and_verification_capture_in_a_cuda_graph(with_draft_probs):
+    """Prompt lookup and verification run on the device without a host round trip: captured in
+    one CUDA graph, whose replay on new inputs equals the eager run, and the eager run equals the
+    CPU's on the same inputs."""
+    generator = torch.Generator().manual_seed(7)
+    rows, width, k, vocab = 64, 512, 4, 1000
+    history = torch.randint(0, 8, (rows, width), generator=generator)  # repetitive: matches
+    lengths = torch.randint(2, width, (rows,), generator=generator)
+    logits, seeds, _ = random_batch(rows, k, vocab, generator)
+    temperatures = torch.rand(rows, generator=generator) * (torch.arange(rows) % 3 > 0)
+    q = torch.rand(rows, k, vocab, generator=generator).softmax(-1) if with_draft_probs else None
+
+    def step(history, lengths, logits, temperatures, seeds, q):
+        drafts, num_drafts = propose_ngram_batched(history, lengths, k, 1, 3)
+        return verify(logits, drafts, temperatures, seeds, lengths, num_drafts, q)
+
+    inputs = [history, lengths, logits, temperatures, seeds, q]
+    static = [None if t is None else t.cuda() for t in inputs]
+    on_cpu = step(*inputs)
+    eager = step(*static)  # also the warm-up: torch.compile's kernels outside the capture
+    assert torch.equal(eager.tokens.cpu(), on_cpu.tokens)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step(*static)
+    for tensor in static[:3]:  # new sequences, lengths and logits in the same buffers
+        tensor.copy_(tensor.roll(1, dims=0))
+    graph.replay()
+    again = step(*static)
+    assert torch.equal(captured.tokens, again.tokens)
+    assert torch.equal(captured.num_accepted, again.num_accepted)

@@ -67,6 +67,23 @@ def target_probs(logits, temperatures, top: tuple | None = None):
     return tempered.softmax(dim=-1)
 
 
+def standard_rule(probs, draft_probs, drafts, seeds, indices):
+    """p and q [rows, k, vocab], drafts and their token indices [rows, k] -> whether each draft
+    passes the test u * q(x) < p(x), and the residual draw at each position, [rows, k] both."""
+    rows, k = drafts.shape
+    p_draft = probs.gather(-1, drafts[..., None])[..., 0]
+    q_draft = draft_probs.gather(-1, drafts[..., None])[..., 0]
+    residual = (probs - draft_probs).clamp(min=0)
+    # all zero only if p == q up to rounding, where nothing is rejected: p avoids 0 / 0
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, probs)
+    residual_seeds = (seeds.long() ^ RESIDUAL_SALT).repeat_interleave(k)
+    recovered = sample_softmax(residual.log().flatten(0, 1),
+                               torch.ones(rows * k, device=probs.device),
+                               residual_seeds,
+                               indices.flatten())
+    return accept_uniforms(seeds, indices) * q_draft < p_draft, recovered.view(rows, k)
+
+
 def verify(logits: torch.Tensor, drafts: torch.Tensor, temperatures: torch.Tensor,
            seeds: torch.Tensor, lengths: torch.Tensor, num_drafts: torch.Tensor | None = None,
            draft_probs: torch.Tensor | None = None, top: tuple | None = None,
@@ -96,20 +113,10 @@ def verify(logits: torch.Tensor, drafts: torch.Tensor, temperatures: torch.Tenso
     emitted = plain  # what a rejection at j (or the bonus at k) emits
     if draft_probs is not None:
         probs = target_probs(flat_logits, per_position(temperatures), flat_top)
-        probs = probs.view(rows, positions, vocab)[:, :k]
-        p_draft = probs.gather(-1, drafts[..., None])[..., 0]
-        q_draft = draft_probs.gather(-1, drafts[..., None])[..., 0]
-        residual = (probs - draft_probs).clamp(min=0)
-        # all zero only if p == q up to rounding, where nothing is rejected: p avoids 0 / 0
-        residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, probs)
-        residual_seeds = (seeds.long() ^ RESIDUAL_SALT).repeat_interleave(k)
-        recovered = sample_softmax(residual.log().flatten(0, 1),
-                                   torch.ones(rows * k, device=logits.device),
-                                   residual_seeds, indices[:, :k].flatten()).view(rows, k)
+        passed, recovered = standard_rule(probs.view(rows, positions, vocab)[:, :k], draft_probs,
+                                          drafts, seeds, indices[:, :k])
         sampling = (temperatures > 0)[:, None] & has_draft
-        accepted = torch.where(sampling,
-                               accept_uniforms(seeds, indices[:, :k]) * q_draft < p_draft,
-                               accepted)
+        accepted = torch.where(sampling, passed, accepted)
         emitted = torch.cat([torch.where(sampling, recovered, plain[:, :k]), plain[:, k:]], 1)
     num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)
     tokens = torch.where(steps < num_accepted[:, None], F.pad(drafts, (0, 1)), emitted)
