@@ -8,7 +8,7 @@ distribution q (Leviathan et al., Chen et al., 2023): accept x with probability
 min(1, p(x) / q(x)); at the first rejection emit a token drawn from normalise(max(p - q, 0))
 instead and stop; if all k are accepted, emit a bonus token drawn from p_k. Each emitted token
 is then distributed exactly as p at its position, so a step emits 1 to k + 1 tokens and the
-output is that of plain sampling. Rows may have fewer drafts (`num_drafts`): the positions
+output is distributed as plain sampling's. Rows may have fewer drafts (`num_drafts`): the positions
 past them act as rejections with q = 0, whose residual is p itself.
 
 Noise. Like the engine's sampler (layers/sampler.py), nothing here draws from a generator: all
