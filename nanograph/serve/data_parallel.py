@@ -34,9 +34,13 @@ import torch
 
 logger = logging.getLogger("nanograph.serve")
 STOP_SECONDS = 10.0
-# smg's policies that need nothing from a worker but its answers (the load-aware ones read
-# SGLang's own load endpoint)
-ROUTER_POLICIES = ["cache_aware", "round_robin", "prefix_hash", "consistent_hashing", "random"]
+# smg's policies that need nothing of a worker but its answers (its load-aware ones read an
+# SGLang server's load endpoint)
+ROUTER_POLICIES = ["cache_aware", "round_robin", "prefix_hash", "random"]
+# smg's flags besides the workers and the policy: a replica is probed every 2 s; after a SIGTERM
+# the replicas end their streams at once, and smg would otherwise wait on for seconds after that
+ROUTER_FLAGS = ["--health-check-interval-secs", "2", "--shutdown-grace-period-secs", "1",
+                "--disable-tokenizer-autoload", "--log-level", "warn"]
 
 
 def free_port() -> int:
@@ -68,60 +72,59 @@ class Replica:
             return False
 
 
-def replica_devices(size: int, knobs: dict) -> list[str | None]:
-    """Each replica's CUDA_VISIBLE_DEVICES (tensor_parallel_size GPUs each); None on the CPU."""
+def replica_envs(size: int, knobs: dict) -> list[dict]:
+    """Each replica's environment: its CUDA_VISIBLE_DEVICES (tensor_parallel_size GPUs each), or
+    on the CPU its share of the cores."""
     if knobs.get("device", "cuda") == "cpu" or not torch.cuda.is_available():
-        return [None] * size
+        threads = str(max(1, os.cpu_count() // size))
+        return [{"OMP_NUM_THREADS": threads, **os.environ} for _ in range(size)]
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     gpus = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
-    per_replica = knobs.get("tensor_parallel_size", 1)
-    if len(gpus) < size * per_replica:
-        sys.exit(f"nanograph-serve: {size} replicas of {per_replica} GPU(s) need "
-                 f"{size * per_replica} GPUs; {len(gpus)} visible")
-    return [",".join(gpus[rank * per_replica:(rank + 1) * per_replica]) for rank in range(size)]
+    each = knobs.get("tensor_parallel_size", 1)
+    if len(gpus) < size * each:
+        sys.exit(f"nanograph-serve: {size} replicas of {each} GPU(s) need {size * each} GPUs; "
+                 f"{len(gpus)} visible")
+    return [{**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(gpus[rank * each:][:each])}
+            for rank in range(size)]
 
 
 def serve_replicas(args, knobs: dict, argv: list[str]):
-    """Run the replicas and smg in front of them until SIGTERM, Ctrl-C or smg's exit."""
+    """Run the replicas, and smg in front of them once all are ready, until SIGTERM, Ctrl-C or
+    smg's exit. Before smg starts, a replica's exit ends everything (its flags may be wrong);
+    after, the replica is started again."""
     if args.shell:
         sys.exit("nanograph-serve: --shell talks to one engine; leave out --data-parallel-size")
     replicas = []
-    for devices in replica_devices(args.data_parallel_size, knobs):
+    for env in replica_envs(args.data_parallel_size, knobs):
         port = free_port()
-        # the flags given, then the replica's own: a flag given twice takes its last value
+        # the flags given, then the replica's own: of a flag given twice, the last counts
         command = [sys.executable, "-m", "nanograph.serve", *argv,
                    "--host", "127.0.0.1", "--port", str(port), "--data-parallel-size", "1"]
-        env = dict(os.environ) if devices is None else {**os.environ,
-                                                        "CUDA_VISIBLE_DEVICES": devices}
         replicas.append(Replica(command, env, port))
     router = None
     signal.signal(signal.SIGTERM, lambda *_: sys.exit())  # (the `finally` stops the children)
     try:
         for replica in replicas:
             replica.start()
-        starting = replicas
-        while starting:
-            for replica in starting:
-                if replica.process.poll() is not None:
+        while router is None or router.poll() is None:
+            time.sleep(0.2)
+            for replica in replicas:
+                if replica.process.poll() is None:
+                    continue
+                if router is None:
                     sys.exit(f"nanograph-serve: the replica on {replica.url} exited before it "
                              f"was ready (status {replica.process.returncode})")
-            starting = [replica for replica in starting if not replica.ready()]
-            time.sleep(0.1)
-        router = subprocess.Popen(
-            [sys.executable, "-m", "smg", "launch", "--host", args.host, "--port", str(args.port),
-             "--worker-urls", *[replica.url for replica in replicas],
-             "--policy", args.router_policy, "--prometheus-port", str(free_port()),
-             "--health-check-interval-secs", "2", "--shutdown-grace-period-secs", "1",
-             "--disable-tokenizer-autoload", "--log-level", "warn"])
-        logger.info("smg (pid %d) on %s:%d, policy %s, in front of %s", router.pid, args.host,
-                    args.port, args.router_policy, " ".join(r.url for r in replicas))
-        while router.poll() is None:
-            time.sleep(0.5)
-            for replica in replicas:
-                if replica.process.poll() is not None:
-                    logger.warning("replica %s exited (status %d): starting it again",
-                                   replica.url, replica.process.returncode)
-                    replica.start()
+                logger.warning("replica %s exited (status %d): starting it again",
+                               replica.url, replica.process.returncode)
+                replica.start()
+            if router is None and all(replica.ready() for replica in replicas):
+                urls = [replica.url for replica in replicas]
+                router = subprocess.Popen([
+                    sys.executable, "-m", "smg", "launch", "--host", args.host,
+                    "--port", str(args.port), "--worker-urls", *urls, "--policy",
+                    args.router_policy, "--prometheus-port", str(free_port()), *ROUTER_FLAGS])
+                logger.info("smg (pid %d) on %s:%d, policy %s, in front of %s", router.pid,
+                            args.host, args.port, args.router_policy, " ".join(urls))
         sys.exit(f"nanograph-serve: the router exited (status {router.returncode})")
     except KeyboardInterrupt:
         pass
