@@ -11,14 +11,14 @@ watches and stops processes; the routing, retries and health checks are smg's.
 
 - Start-up: the replicas first; smg only once every replica's /health says 200 (weights loaded,
   graphs captured). smg's own /health says whether the router runs, not whether its workers do,
-  so the front port opens, and answers 200, only when all the replicas are ready.
-- A replica that exits is started again on its port. Until it is ready, smg sends nothing there:
-  a request that cannot reach it is retried on another replica (a transport failure takes the
-  worker out of routing), and its failed health checks keep it out. Requests the replica was
-  serving when it died are lost; none that had not started.
+  so the front port opens, and answers 200, only when all the replicas are ready. (Later, a
+  replica that is down shows in smg's /readiness, which counts the healthy ones.)
+- A replica that exits is started again on its port. Until it is ready again, a request that
+  cannot reach it is retried on another replica (a transport failure takes the worker out of
+  routing), and its failed health checks keep it out. Requests the replica was serving when it
+  died are lost; none that had not started.
 - SIGTERM or Ctrl-C here (or smg's exit): SIGTERM to smg and every replica, SIGKILL to any still
-  there STOP_SECONDS later. The replicas end their streams at once, so smg is given a short grace
-  period for the requests in flight (by default it waits on after they have ended).
+  there STOP_SECONDS later.
 """
 import logging
 import os
