@@ -29,6 +29,9 @@ reference run. benchmarks/<section>.py has its code and says why its figures com
   rule and the old prefill-first one side by side.
 - `--serving-http`: its Poisson workloads in process and through the OpenAI-compatible server on
   127.0.0.1 (a subprocess): tokens/s, TTFT and ITL side by side, the HTTP layer's cost.
+- `--serving-http --data-parallel-size N`: instead, one replica against N behind SGLang's router
+  (smg) under cache_aware and round_robin: the Poisson workloads and a shared-prefix one, with
+  each server's prefix-cache hit rate.
 - `--logprobs N`: every sequence of the workload asks for its top-N logprobs (what they cost).
 - `--all`: `--decode-sweep --compare --ladders --overlap --lora 4 --serving --serving-http`.
 
@@ -54,6 +57,7 @@ from benchmarks.peers import PEER_DIR, peer_job
 from benchmarks.plot import write_plot
 from benchmarks.run import section_run
 from benchmarks.serving import section_serving
+from benchmarks.serving_dp import section_data_parallel
 from benchmarks.serving_http import section_serving_http
 from benchmarks.shapes import BENCH_SHAPES
 from benchmarks.workloads import REFERENCE_OUTPUT_TOKENS
@@ -108,6 +112,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--serving-http", action="store_true",
                    help="the serving section's Poisson workloads in process and through the "
                         "server on 127.0.0.1 (TTFT, ITL, tokens/s)")
+    p.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+                   help="--serving-http: one replica against N behind the smg router instead "
+                        "(Poisson and shared-prefix workloads, cache_aware and round_robin)")
     p.add_argument("--all", action="store_true",
                    help="--decode-sweep --compare --ladders --overlap --lora 4 --serving "
                         "--serving-http")
@@ -177,7 +184,9 @@ def run_sections(setup: Setup) -> dict:
         report["ladders"] = section_ladders(setup)
     if args.serving:
         report["serving"] = section_serving(setup)
-    if args.serving_http:
+    if args.serving_http and args.data_parallel_size > 1:
+        report["serving_http"] = section_data_parallel(setup)
+    elif args.serving_http:
         report["serving_http"] = section_serving_http(setup)
     return report
 

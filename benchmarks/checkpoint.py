@@ -48,8 +48,9 @@ def write_checkpoint(setup: Setup) -> str:
 def write_tokenizer(path: str, config) -> None:
     """A word-level tokenizer for the vocabulary of `config` (an HF config), saved in `path`: token
     i is the word "t<i>", so every token decodes to text of its own, and the config's EOS and BOS
-    (the first of a list) are its special tokens."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    (the first of a list) are its special tokens, matched as whole words only (else "t1" would
+    also match the start of "t17": the text of ids is the same ids)."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
     vocab = {f"t{i}": i for i in range(config.vocab_size)}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
@@ -57,5 +58,6 @@ def write_tokenizer(path: str, config) -> None:
     special = {}
     for name, ids in (("eos_token", config.eos_token_id), ("bos_token", config.bos_token_id)):
         if ids is not None:
-            special[name] = f"t{ids[0] if isinstance(ids, list) else ids}"
+            word = f"t{ids[0] if isinstance(ids, list) else ids}"
+            special[name] = AddedToken(word, single_word=True, special=True)
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, **special).save_pretrained(path)

@@ -101,8 +101,14 @@ class HttpClient:
 
     A step is a poll: `step` waits until some stream has sent a chunk (or `timeout`, or
     POLL_SECONDS, has passed), then returns (request, tokens so far, when it arrived) for every
-    chunk since the last poll, so that LatencyTrace counts arrivals, not polls."""
+    chunk since the last poll, so that LatencyTrace counts arrivals, not polls.
+
+    With `model`, each request names it (a router such as smg requires the field); with
+    `text_prompts`, a prompt goes as the word-level tokenizer's text ("t12 t7 ...", the same
+    tokens for the server), for a router that routes on text."""
     url: str
+    model: str | None = None
+    text_prompts: bool = False
     # from the reader: (request, 0, perf_counter()) when it is sent, (request, tokens so far,
     # perf_counter()) per chunk, then at the stream's end (request, None, None or the exception
     # that ended it)
@@ -123,10 +129,13 @@ class HttpClient:
 
     def add(self, prompt: list[int], params) -> int:
         key = next(self.keys)
-        body = {"prompt": prompt, "max_tokens": params.max_tokens,
+        text = " ".join(f"t{token}" for token in prompt) if self.text_prompts else None
+        body = {"prompt": text or prompt, "max_tokens": params.max_tokens,
                 "temperature": params.temperature, "ignore_eos": params.ignore_eos,
                 "skip_special_tokens": False, "stream": True,
                 "stream_options": {"include_usage": True}}
+        if self.model:
+            body["model"] = self.model
         self.streams[key] = asyncio.run_coroutine_threadsafe(self.read(key, body), self.loop)
         return key
 
@@ -261,11 +270,12 @@ def free_port() -> int:
 @dataclass
 class ServerProcess:
     """`python -m nanograph.serve MODEL --host 127.0.0.1` on a free port, with the LLM's knobs as
-    flags and its output in `log`; entered once /health answers 200, left by SIGTERM (and a kill
-    if it lingers)."""
+    flags (and `flags`) and its output in `log`; entered once /health answers 200, left by SIGTERM
+    (and a kill if it lingers)."""
     model_dir: str
     knobs: dict
     log: str
+    flags: list[str] = field(default_factory=list)
     port: int = field(default_factory=free_port)
     startup_seconds: float | None = None  # from the start to /health's 200
 
@@ -275,7 +285,7 @@ class ServerProcess:
 
     def __enter__(self):
         command = [sys.executable, "-m", "nanograph.serve", self.model_dir, "--host", "127.0.0.1",
-                   "--port", str(self.port), *as_flags(self.knobs)]
+                   "--port", str(self.port), *as_flags(self.knobs), *self.flags]
         path = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
         start = time.perf_counter()
         with open(self.log, "w") as log:

@@ -19,7 +19,7 @@ sys.path.insert(0, ROOT)  # bench.py and benchmarks/ live at the repository root
 
 import bench  # noqa: E402
 from benchmarks import checkpoint, compare, decode_sweep, harness, ladders, lora, peers  # noqa: E402
-from benchmarks import serving, serving_http, shapes, timing, workloads  # noqa: E402
+from benchmarks import serving, serving_dp, serving_http, shapes, timing, workloads  # noqa: E402
 from benchmarks.report import RunResult  # noqa: E402
 
 
@@ -338,11 +338,14 @@ def test_the_http_client_reads_each_event_of_a_chunked_sse_body():
         asyncio.run(read(b"".join(events)))  # the server went away mid-stream
 
 
-def test_the_http_client_reuses_a_connection_whose_stream_has_ended():
+@pytest.mark.parametrize("options, prompt", [({}, [1, 2]),
+                                             ({"model": "m", "text_prompts": True}, "t1 t2")])
+def test_the_http_client_reuses_a_connection_whose_stream_has_ended(options, prompt):
     """Requests one after another go over one kept-alive connection: the client reads each
     chunked body to its end (the `0` chunk), and counts every token of every stream, after the
-    moment it sent the request."""
-    connections = []
+    moment it sent the request. Each body has the prompt as token ids, or as the word-level
+    tokenizer's text with the model named (for a router)."""
+    connections, bodies = [], []
 
     async def serve(reader, writer):  # every request: three tokens, usage, [DONE]
         connections.append(writer)
@@ -353,7 +356,7 @@ def test_the_http_client_reuses_a_connection_whose_stream_has_ended():
         while True:  # (until the client closes: readuntil raises)
             head = await reader.readuntil(b"\r\n\r\n")
             length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
-            await reader.readexactly(length)
+            bodies.append(json.loads(await reader.readexactly(length)))
             events = [{"choices": [{"text": f"t{i}"}]} for i in range(3)]
             events.append({"choices": [], "usage": {"completion_tokens": 3}})
             body = b"".join(chunk(f"data: {json.dumps(e)}\n\n") for e in events)
@@ -368,7 +371,7 @@ def test_the_http_client_reuses_a_connection_whose_stream_has_ended():
     server = asyncio.run_coroutine_threadsafe(start(), loop).result()
     port = server.sockets[0].getsockname()[1]
     params = SimpleNamespace(max_tokens=3, temperature=0.0, ignore_eos=True)
-    with serving_http.HttpClient(f"http://127.0.0.1:{port}") as client:
+    with serving_http.HttpClient(f"http://127.0.0.1:{port}", **options) as client:
         for _ in range(4):
             added = time.perf_counter()
             client.add([1, 2], params)
@@ -378,8 +381,36 @@ def test_the_http_client_reuses_a_connection_whose_stream_has_ended():
             assert [count for _, count, _ in entries] == [0, 1, 2, 3]  # sent, then its tokens
             assert added <= entries[0][2] <= entries[1][2]
     assert len(connections) == 1
+    sent = [(body["prompt"], body.get("model")) for body in bodies]
+    assert sent == [(prompt, options.get("model"))] * 4
     loop.call_soon_threadsafe(server.close)
     loop.call_soon_threadsafe(loop.stop)
+
+
+def test_the_shared_prefix_workload_and_its_text(tmp_path):
+    """--data-parallel-size's shared-prefix workload: each system prompt followed by its users'
+    turns, in a shuffled order; a run's salt is every prompt's first token; a prompt as text is
+    the same tokens for the server's word-level tokenizer."""
+    from transformers import AutoConfig, AutoTokenizer
+    setup = harness.build_setup(bench.parse_args(["--quick", "--device", "cpu"]), str(tmp_path),
+                                "qwen3-0.6b")
+    sizes = serving_dp.QUICK_SHARED
+    run = serving_dp.shared_prefix_run(setup, sizes)
+    prompts = run.workload.prompts
+    systems = {tuple(prompt[:sizes.system_len]) for prompt in prompts}
+    assert len(prompts) == sizes.systems * sizes.users and len(systems) == sizes.systems
+    for system in systems:
+        users = [p[sizes.system_len:] for p in prompts if tuple(p[:sizes.system_len]) == system]
+        assert len(users) == sizes.users
+        assert all(sizes.user_lens[0] <= len(user) <= sizes.user_lens[1] for user in users)
+    firsts = [tuple(p[:sizes.system_len]) for p in prompts]
+    assert firsts != sorted(firsts, key=lambda system: firsts.index(system))  # shuffled
+    assert run.arrivals == sorted(run.arrivals) and run.fits(serving.QUICK.max_model_len - 1)
+    salted = serving_dp.salted(run, 7).workload.prompts
+    assert salted == [[7] + prompt for prompt in prompts]
+    checkpoint.write_tokenizer(str(tmp_path / "tok"), AutoConfig.from_pretrained(setup.model_dir))
+    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path / "tok"))
+    assert tokenizer.encode(" ".join(f"t{t}" for t in salted[0])) == salted[0]
 
 
 def test_the_http_target_is_itl_p99_and_ttft_p50():

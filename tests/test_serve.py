@@ -382,6 +382,10 @@ def test_a_client_that_disconnects_has_its_request_aborted(server):
         metrics = server.metrics()
         assert metrics["nanograph:num_requests_running"] == 1
         assert metrics["nanograph:kv_cache_usage_perc"] > 0
+        # the same under vLLM's names, which routers read
+        assert metrics["vllm:num_requests_running"] == 1
+        for name in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"):
+            assert metrics[name] == metrics["nanograph:kv_cache_usage_perc"]
     # the stream is closed: the request is aborted, its blocks free at once
     idle = {"nanograph:num_requests_running": 0, "nanograph:kv_cache_usage_perc": 0}
     assert wait_until(lambda: idle.items() <= server.metrics().items())

@@ -19,6 +19,7 @@ import uvicorn
 from nanograph import LoRARequest
 from nanograph.config import Config
 from nanograph.serve.api import create_app
+from nanograph.serve.data_parallel import ROUTER_POLICIES, serve_replicas
 from nanograph.serve.engine_thread import EngineThread
 from nanograph.serve.shell import chat_shell
 
@@ -48,6 +49,10 @@ def parse_args(argv):
     parser.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
                         help="PEFT adapters, chosen by naming them as the request's model")
     parser.add_argument("--shell", action="store_true", help="chat in the terminal instead")
+    parser.add_argument("--data-parallel-size", type=int, default=1,
+                        help="replicas of the engine behind the smg router on --port")
+    parser.add_argument("--router-policy", default="cache_aware", choices=ROUTER_POLICIES,
+                        help="smg's routing policy (with --data-parallel-size > 1)")
     engine_flags = parser.add_argument_group("engine knobs (nanograph.LLM's)")
     knobs = [knob for knob in dataclasses.fields(Config) if knob.name != "model"]
     for knob in knobs:
@@ -80,6 +85,8 @@ class Server(uvicorn.Server):
 def main(argv=None):
     args, knobs, loras = parse_args(argv)
     logging.basicConfig(level=logging.INFO)
+    if args.data_parallel_size > 1:
+        return serve_replicas(args, knobs, sys.argv[1:] if argv is None else argv)
     engine = EngineThread(args.model, knobs)
     if args.shell:
         run = partial(asyncio.run, chat_shell(engine))

@@ -5,7 +5,14 @@ Latencies are taken in the engine thread, as each step's dicts come out: time to
 tokens: the decode rhythm a user sees, apart from the prefill-bound first token), end to end.
 The gauges are set after every step from the scheduler, the block manager and `llm.stats()`;
 prometheus_client's metrics are thread-safe, so /metrics reads them from the event loop.
+
+The three gauges a router reads to pick a replica (waiting and running requests, KV cache usage)
+are also under vLLM's own names, `vllm:...`, which routers expect by default: llm-d's endpoint
+picker (the Gateway API inference extension) reads vllm:num_requests_waiting and
+vllm:kv_cache_usage_perc, and the older vllm:gpu_cache_usage_perc.
 """
+from dataclasses import dataclass
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 LATENCY_BUCKETS = [0.001 * 2**i for i in range(17)]  # 1 ms to 65 s, doubling
@@ -22,12 +29,28 @@ STATS_GAUGES = {
 }
 
 
+@dataclass
+class RouterGauge:
+    """One value under nanograph's name and vLLM's."""
+    gauges: list[Gauge]
+
+    def set(self, value: float):
+        for gauge in self.gauges:
+            gauge.set(value)
+
+
 class Metrics:
     def __init__(self):
         self.registry = CollectorRegistry()
 
         def make(kind, name: str, doc: str, **kwargs):
             return kind(f"nanograph:{name}", doc, registry=self.registry, **kwargs)
+
+        def router_gauge(name: str, doc: str, *old_names: str) -> RouterGauge:
+            """nanograph:NAME and vllm:NAME (and vLLM's OLD_NAMES for it)."""
+            return RouterGauge([make(Gauge, name, doc)] + [
+                Gauge(f"vllm:{vllm_name}", doc, registry=self.registry)
+                for vllm_name in (name, *old_names)])
 
         self.ttft = make(Histogram, "time_to_first_token_seconds", "Time to first token",
                          buckets=LATENCY_BUCKETS)
@@ -37,9 +60,10 @@ class Metrics:
                         buckets=LATENCY_BUCKETS)
         self.prompt_tokens = make(Counter, "prompt_tokens", "Prompt tokens of finished requests")
         self.generation_tokens = make(Counter, "generation_tokens", "Tokens generated")
-        self.running = make(Gauge, "num_requests_running", "Sequences running")
-        self.waiting = make(Gauge, "num_requests_waiting", "Sequences waiting")
-        self.kv_usage = make(Gauge, "kv_cache_usage_perc", "Share of KV blocks in use (0 to 1)")
+        self.running = router_gauge("num_requests_running", "Sequences running")
+        self.waiting = router_gauge("num_requests_waiting", "Sequences waiting")
+        self.kv_usage = router_gauge("kv_cache_usage_perc", "Share of KV blocks in use (0 to 1)",
+                                     "gpu_cache_usage_perc")
         self.stats = {key: make(Gauge, name, doc) for key, (name, doc) in STATS_GAUGES.items()}
         self.stats_time = -1.0
 

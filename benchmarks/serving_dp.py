@@ -1,0 +1,193 @@
+"""--serving-http --data-parallel-size N: N replicas behind SGLang's router (smg) against one.
+
+What is measured. The same requests over HTTP, as --serving-http's HTTP path sends them
+(`HttpClient`, serving.py's `drive`), to three servers in turn, each started, warmed up, driven
+and stopped:
+(a) one replica: `python -m nanograph.serve` on its own (one GPU);
+(b) `--data-parallel-size N --router-policy cache_aware`: N replicas (a GPU each) behind smg;
+(c) the same under `round_robin`.
+Every server has the serving section's knobs (`serving_knobs`) with prefix caching on. From each
+run: tokens/s, TTFT and ITL as serving.py defines them, and the prefix-cache hit rate: the
+replicas' prompt tokens found in their caches over their prompt tokens (each replica's /metrics,
+read before and after the run; smg's /workers lists them).
+
+The workloads:
+- serving.py's Poisson runs (4, 16, 64 req/s; --quick: 10, 40). The lowest rate shows the
+  router's own cost (ITL p99 against one replica's), the highest the throughput at saturation.
+- shared prefix: SYSTEMS system prompts, USERS users each (32 x 16 = 512 requests: a system
+  prompt of 1,024 random tokens, a user turn of 32-96, 64 new tokens), the 512 in a shuffled order,
+  Poisson arrivals. Under cache_aware a system prompt's requests go where it is cached; under
+  round_robin every replica computes and caches every system prompt. The hit rates differ most
+  when a replica's KV cache cannot hold them all (bench's --num-kvcache-blocks sets its size).
+
+Prompts go as text ("t12 t7 ...", the word-level tokenizer's words: the same tokens for the
+server), since smg's cache_aware policy matches request text. Every run's prompts start with a
+token of their own (its index, the same for every server): the prefix cache's block hashes chain
+from the first token, so no run finds an earlier run's prompts cached, and the router's tree no
+earlier run's text.
+
+Targets (issue 56, two H100s, Qwen3-0.6B shape; judged on full CUDA runs only): at the highest
+rate, N replicas under cache_aware reach >= 0.95 N x one replica's tokens/s; at the lowest, their
+ITL p99 is within 1.1x of one replica's; on the shared prefix, cache_aware's hit rate is >= 2x
+round_robin's, with more tokens/s.
+"""
+import dataclasses
+import json
+import random
+import urllib.request
+from dataclasses import dataclass
+
+from benchmarks.harness import Setup
+from benchmarks.report import cell, ms, print_table
+from benchmarks.serving import (FULL, QUICK, ServingResult, ServingRun, drive, poisson_arrivals,
+                                poisson_runs, ratio, serving_knobs, warmup_run)
+from benchmarks.serving_http import HttpClient, ServerProcess, run_http, tokenized_model_dir
+from benchmarks.workloads import Workload
+
+
+@dataclass(frozen=True)
+class SharedPrefix:
+    """The shared-prefix workload's sizes."""
+    systems: int
+    users: int
+    system_len: int
+    user_lens: tuple[int, int]
+    output_len: int
+    rate: float  # requests/s, Poisson
+
+
+FULL_SHARED = SharedPrefix(32, 16, 1024, (32, 96), 64, 64.0)
+QUICK_SHARED = SharedPrefix(4, 4, 48, (4, 8), 4, 40.0)
+
+
+def shared_prefix_run(setup: Setup, sizes: SharedPrefix, seed: int = 2) -> ServingRun:
+    rng = random.Random(seed)
+    systems = [[rng.randint(0, setup.max_token_id) for _ in range(sizes.system_len)]
+               for _ in range(sizes.systems)]
+    prompts = [system + [rng.randint(0, setup.max_token_id)
+                         for _ in range(rng.randint(*sizes.user_lens))]
+               for system in systems for _ in range(sizes.users)]
+    rng.shuffle(prompts)
+    workload = Workload(prompts, [sizes.output_len] * len(prompts))
+    name = f"shared prefix, {sizes.systems} x {sizes.users}"
+    return ServingRun(name, workload, 512, poisson_arrivals(len(prompts), sizes.rate))
+
+
+def salted(run: ServingRun, salt: int) -> ServingRun:
+    """The run with `salt` as every prompt's first token."""
+    prompts = [[salt] + prompt for prompt in run.workload.prompts]
+    return dataclasses.replace(run, workload=dataclasses.replace(run.workload, prompts=prompts))
+
+
+def replica_urls(server: ServerProcess, replicas: int) -> list[str]:
+    """The replicas behind the server's port: smg's workers, or the server itself."""
+    if replicas == 1:
+        return [server.url]
+    with urllib.request.urlopen(server.url + "/workers") as answer:
+        return [worker["url"] for worker in json.load(answer)["workers"]]
+
+
+def cache_counters(urls: list[str]) -> tuple[float, float]:
+    """(prompt tokens found in the prefix cache, prompt tokens) summed over the replicas."""
+    hits = prompt = 0.0
+    for url in urls:
+        for line in urllib.request.urlopen(url + "/metrics").read().decode().splitlines():
+            name, _, value = line.partition(" ")
+            if name == "nanograph:prefix_cache_hit_tokens":
+                hits += float(value)
+            elif name == "nanograph:prompt_tokens_total":
+                prompt += float(value)
+    return hits, prompt
+
+
+@dataclass
+class ReplicasResult:
+    """One workload on one server: a row of the table."""
+    server: str
+    result: ServingResult
+    hit_rate: float | None
+
+    def to_dict(self) -> dict:
+        return {"server": self.server, **self.result.to_dict(), "hit_rate": self.hit_rate}
+
+
+def run_server(setup: Setup, knobs: dict, server_name: str, flags: list[str], replicas: int,
+               runs: list[ServingRun]) -> tuple[list[ReplicasResult], float]:
+    """Start the server, warm it up, drive each run (salted by its index); stop it.
+    (the rows, its start-up seconds)."""
+    log = f"{setup.model_dir}.{replicas}.{len(flags)}.server.log"
+    with (ServerProcess(setup.model_dir, knobs, log, flags) as server,
+          HttpClient(server.url, model=setup.model_dir, text_prompts=True) as client):
+        drive(client, setup.warmup, warmup_run(setup).arrivals)
+        urls = replica_urls(server, replicas)
+        rows = []
+        for salt, run in enumerate(runs, start=1):
+            hits, prompt = cache_counters(urls)
+            result = run_http(client, salted(run, salt))
+            new_hits, new_prompt = cache_counters(urls)
+            rows.append(ReplicasResult(server_name, result,
+                                       ratio(new_hits - hits, new_prompt - prompt)))
+    return rows, server.startup_seconds
+
+
+def print_replicas(runs: list[ServingRun], rows: dict[str, list[ReplicasResult]]) -> None:
+    table = []
+    one = next(iter(rows.values()))
+    for i, run in enumerate(runs):
+        for server, results in rows.items():
+            r, base = results[i].result, one[i].result
+            table.append([run.name, server, f"{r.tokens_per_s:,.0f}", cell(ms(r.ttft_p50), ".1f"),
+                          cell(ms(r.ttft_p99), ".1f"), cell(ms(r.itl_p50), ".2f"),
+                          cell(ms(r.itl_p99), ".2f"), cell(results[i].hit_rate, ".3f"),
+                          cell(ratio(r.tokens_per_s, base.tokens_per_s), ".2f", "x"),
+                          cell(ratio(r.itl_p99, base.itl_p99), ".3f", "x")])
+    print_table("Data parallel over HTTP: one replica, and replicas behind smg under two "
+                "policies; the same requests (prompts as text), prefix caching on; ms",
+                ["workload", "server", "tok/s", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99",
+                 "prefix hit rate", "tok/s vs 1", "ITL p99 vs 1"], table)
+
+
+def judge(runs: list[ServingRun], rows: dict[str, list[ReplicasResult]], size: int) -> list:
+    """Issue 56's targets: (what, met)."""
+    one, cache_aware, round_robin = (results for results in rows.values())
+    lowest, highest, shared = 0, len(runs) - 2, len(runs) - 1
+    return [(f"at the highest rate, tok/s >= {0.95 * size:.2f}x one replica's",
+             cache_aware[highest].result.tokens_per_s
+             >= 0.95 * size * one[highest].result.tokens_per_s),
+            ("at the lowest rate, ITL p99 <= 1.1x one replica's",
+             cache_aware[lowest].result.itl_p99 <= 1.1 * one[lowest].result.itl_p99),
+            ("shared prefix: cache_aware's hit rate >= 2x round_robin's, more tok/s",
+             cache_aware[shared].hit_rate >= 2 * round_robin[shared].hit_rate
+             and cache_aware[shared].result.tokens_per_s
+             > round_robin[shared].result.tokens_per_s)]
+
+
+def section_data_parallel(setup: Setup) -> dict:
+    quick, size = setup.args.quick, setup.args.data_parallel_size
+    scale = QUICK if quick else FULL
+    setup = dataclasses.replace(setup, model_dir=tokenized_model_dir(setup))
+    runs = [*poisson_runs(setup, scale),
+            shared_prefix_run(setup, QUICK_SHARED if quick else FULL_SHARED)]
+    # prefix caching on; on the CPU, blocks small enough for the quick system prompts to fill
+    knobs = setup.llm_kwargs(**serving_knobs(setup, scale) | {"enable_prefix_caching": True})
+    if quick:
+        knobs["kvcache_block_size"] = 16
+    servers = {"1 replica": ([], 1)}
+    for policy in ("cache_aware", "round_robin"):
+        flags = ["--data-parallel-size", str(size), "--router-policy", policy]
+        servers[f"{size} replicas, {policy}"] = (flags, size)
+    print(f"  [serving-http] {len(runs)} workloads on one replica, then on {size} behind smg "
+          f"(cache_aware, round_robin) ...", flush=True)
+    rows, startup = {}, {}
+    for name, (flags, replicas) in servers.items():
+        rows[name], startup[name] = run_server(setup, knobs, name, flags, replicas, runs)
+        print(f"  {name}: ready {startup[name]:.1f} s after its start", flush=True)
+    print_replicas(runs, rows)
+    targets = judge(runs, rows, size)
+    full_cuda = not quick and setup.device == "cuda"
+    for what, met in targets:
+        print(f"  target: {what}: {('yes' if met else 'NO') if full_cuda else '-'}")
+    return {"data_parallel_size": size, "startup_seconds": startup,
+            "runs": {name: [row.to_dict() for row in results] for name, results in rows.items()},
+            "targets": [{"target": what, "met": met if full_cuda else None}
+                        for what, met in targets]}
