@@ -71,6 +71,7 @@ tiles_per_split)`` splits that did work. A padded row (context_len 0) has no wor
 reads no K/V; its split 0 writes a zero output. (The measurements: docs/experiments.md.)
 """
 
+import dataclasses
 import functools
 
 import torch
@@ -103,10 +104,7 @@ def _store_partial_and_merge(
     D_PAD: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
 ):
     """Store this split's partial; the last working split of (seq, kv_head) to arrive merges
-    them all. A lone working split stores its output at once."""
-    if num_working == 1:
-        tl.store(out_ptrs, (acc / l_i[:, None]).to(out_ptrs.dtype.element_ty), mask=out_mask)
-        return
+    them all."""
     # Scratch layout: o_part [B, Hq, num_splits, D_PAD], lse [B, Hq, num_splits].
     first_part = (seq * (GROUP * tl.num_programs(0)) + heads) * num_splits  # split 0 of each head
     tl.store(o_part_ptr + (first_part + split)[:, None] * D_PAD + dims[None, :],
@@ -234,8 +232,12 @@ def _decode_kernel(
         scores = tl.where((keys < context_len)[None, :], scores, float("-inf"))
         # Every tile in range holds at least one real key, so the running max stays finite.
         m_i, l_i, acc = online_softmax_step(scores, v.to(q.dtype), m_i, l_i, acc, DOT_PRECISION)
-    _store_partial_and_merge(acc * v_scale, m_i, l_i, seq, kv_head, split, num_splits,
-                             tl.cdiv(num_tiles, tiles_per_split),  # the working splits
+    acc = acc * v_scale
+    num_working = tl.cdiv(num_tiles, tiles_per_split)
+    if num_working == 1:  # the only split: no partials to merge
+        tl.store(out_ptrs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
+        return
+    _store_partial_and_merge(acc, m_i, l_i, seq, kv_head, split, num_splits, num_working,
                              heads, row_mask, dims, o_part_ptr, lse_ptr, arrivals_ptr, out_ptrs,
                              out_mask, D_PAD, GROUP, GROUP_PAD)
 
@@ -255,6 +257,35 @@ def _arrival_counters(device: torch.device, size: int) -> torch.Tensor:
     return torch.zeros(size, dtype=torch.int32, device=device)
 
 
+@dataclasses.dataclass(frozen=True)
+class DecodePlan:
+    """How _decode_kernel is launched for a batch: which path, keys a tile, splits."""
+    fused: bool
+    keys_per_tile: int
+    num_splits: int
+
+
+def decode_plan(batch: int, num_kv_heads: int, head_dim: int, block_size: int, max_blocks: int,
+                cache_element_size: int, device: torch.device) -> DecodePlan:
+    """The plan (module docstring), from static shapes only, never more splits than key tiles:
+    the split path SPLIT_WAVES waves of programs over the SMs, rounded up; the fused path one
+    wave, the programs an SM's registers hold, rounded down."""
+    d_pad = max(16, triton.next_power_of_2(head_dim))
+    fused = batch <= FUSED_MAX_BATCH
+    pairs = batch * num_kv_heads  # (sequence, KV head) pairs
+    sms = _sm_count(device)
+    programs = (2 if d_pad <= 64 else 1) * sms if fused else SPLIT_WAVES * sms
+    # 64 keys a tile (32 above head_dim 128, 128 of an fp8 cache on the split path: the same
+    # bytes); twice as many on the fused path when it has fewer than 8 splits a (sequence, KV
+    # head).
+    wide = 2 if fused and programs // pairs < 8 else 1
+    narrow_bytes = 1 if fused else max(1, 2 // cache_element_size)
+    keys_per_tile = min(block_size, KEYS_PER_TILE * wide * narrow_bytes * 128 // max(d_pad, 128))
+    num_tiles = max_blocks * block_size // keys_per_tile
+    wanted = programs // pairs if fused else triton.cdiv(programs, pairs)
+    return DecodePlan(fused, keys_per_tile, num_splits=max(1, min(wanted, num_tiles)))
+
+
 def paged_decode_attention(q, k, v, positions, slot_mapping, cos, sin, q_weight, k_weight,
                            eps: float, k_cache, v_cache, block_tables, context_lens,
                            scale: float, k_scale: float = 1.0,
@@ -271,22 +302,9 @@ def paged_decode_attention(q, k, v, positions, slot_mapping, cos, sin, q_weight,
     assert q.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
 
     d_pad = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16
-    # The plan (module docstring), from static shapes only, never more splits than key tiles:
-    # the split path SPLIT_WAVES waves of programs over the SMs, rounded up; the fused path one
-    # wave, the programs an SM's registers hold, rounded down.
-    fused = batch <= FUSED_MAX_BATCH
-    pairs = batch * num_kv_heads  # (sequence, KV head) pairs
-    sms = _sm_count(q.device)
-    programs = (2 if d_pad <= 64 else 1) * sms if fused else SPLIT_WAVES * sms
-    # 64 keys a tile (32 above head_dim 128, 128 of an fp8 cache on the split path: the same
-    # bytes); twice as many on the fused path when it has fewer than 8 splits a (sequence, KV
-    # head).
-    wide = 2 if fused and programs // pairs < 8 else 1
-    narrow_bytes = 1 if fused else max(1, 2 // k_cache.element_size())
-    block_n = min(block_size, KEYS_PER_TILE * wide * narrow_bytes * 128 // max(d_pad, 128))
-    num_tiles = block_tables.shape[1] * block_size // block_n
-    wanted = programs // pairs if fused else triton.cdiv(programs, pairs)
-    num_splits = max(1, min(wanted, num_tiles))
+    plan = decode_plan(batch, num_kv_heads, head_dim, block_size, block_tables.shape[1],
+                       k_cache.element_size(), q.device)
+    fused, num_splits = plan.fused, plan.num_splits
 
     o_part = torch.empty(batch, num_q_heads, num_splits, d_pad, dtype=torch.float32,
                          device=q.device)
@@ -307,7 +325,7 @@ def paged_decode_attention(q, k, v, positions, slot_mapping, cos, sin, q_weight,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1), head_dim // 2,
         FUSED=fused, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        BLOCK_SIZE=block_size, BLOCK_N=block_n, D_PAD=d_pad, HAS_NORM=has_norm,
+        BLOCK_SIZE=block_size, BLOCK_N=plan.keys_per_tile, D_PAD=d_pad, HAS_NORM=has_norm,
         # float32 inputs get exact products (not TF32) to match a float32 reference.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=FUSED_NUM_WARPS if fused else NUM_WARPS,
