@@ -66,18 +66,22 @@ def ref_decode(q, k_cache, v_cache, block_tables, context_lens, scale):
     return out
 
 
-def ref_rotate_store_decode(inputs, scale):
+def ref_rotate_store_decode(inputs, scale, kv_scales=None):
     """The torch backend's steps on copies of the caches: norm_and_rotate, indexed store, attention.
-    Returns (output, k_cache, v_cache)."""
+    kv_scales: None for caches of the model's dtype; (k_scale, v_scale) for float8 caches, stored
+    as to_fp8 rounds them and read back as float32 times the scale. Returns (output, k_cache,
+    v_cache)."""
     from nanograph.layers.rotary import norm_and_rotate
 
     i = inputs
     q, k = norm_and_rotate(i["q"], i["k"], i["positions"], i["cos"], i["sin"], i["q_weight"], i["k_weight"], i["eps"])
     k_cache, v_cache = i["k_cache"].clone(), i["v_cache"].clone()
     keep = i["slot_mapping"] >= 0
-    k_cache.flatten(0, 1)[i["slot_mapping"][keep]] = k[keep]
-    v_cache.flatten(0, 1)[i["slot_mapping"][keep]] = i["v"][keep]
-    return ref_decode(q, k_cache, v_cache, i["block_tables"], i["context_lens"], scale), k_cache, v_cache
+    k_scale, v_scale = kv_scales or (None, None)
+    k_cache.flatten(0, 1)[i["slot_mapping"][keep]] = k[keep] if kv_scales is None else to_fp8(k[keep], k_scale)
+    v_cache.flatten(0, 1)[i["slot_mapping"][keep]] = i["v"][keep] if kv_scales is None else to_fp8(i["v"][keep], v_scale)
+    k_read, v_read = (k_cache, v_cache) if kv_scales is None else (from_fp8(k_cache, k_scale), from_fp8(v_cache, v_scale))
+    return ref_decode(q, k_read, v_read, i["block_tables"], i["context_lens"], scale), k_cache, v_cache
 
 
 def ref_prefill(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale):
@@ -166,6 +170,54 @@ def decode_lens(batch, gen):
     return (fixed + extra)[:batch]
 
 
+# ---------------------------------------------------------------- FP8
+
+
+def to_fp8(x, scale=1.0):
+    """What an fp8 cache stores for x: e4m3(x / scale), saturated at +-448 (kernels/kv_store.py)."""
+    return (x.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+
+
+def from_fp8(cache, scale):
+    """What the kernels read from an fp8 cache: its values times the scale (NaN stays NaN)."""
+    return cache.float() * scale
+
+
+# e4m3 rounds each K/V entry to 3 mantissa bits: a relative error of at most 2**-4, 2.6% of the norm
+# on Gaussian data; attention outputs, weighted means of V, stay within the per-entry bound.
+FP8_ERROR = 2**-4
+
+
+def fp8_scales(kv_scales):
+    """The kernels' scale arguments: none for a cache of the model's dtype (their defaults)."""
+    return {} if kv_scales is None else dict(k_scale=kv_scales[0], v_scale=kv_scales[1])
+
+
+@pytest.fixture
+def exact_fp8_casts(monkeypatch):
+    """Casts to and from float8 e4m3 in Triton's interpreter done by torch. The interpreter's own
+    (triton 3.9, runtime/interpreter.py `_convert_float`) rounds a mantissa up without carrying
+    into the exponent (1.99 becomes 1.0, not 2.0) and reads e4m3's NaN as 480, which would hide
+    the cache poisoning. On a GPU the hardware converts; the GPU tests check that."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    torch_dtypes = {tl.float32: torch.float32, tl.float16: torch.float16, tl.bfloat16: torch.bfloat16,
+                    tl.float8e4nv: torch.float8_e4m3fn}
+    bits = {8: torch.int8, 16: torch.int16, 32: torch.int32}
+    convert = interpreter._convert_float
+
+    def fp8_by_torch(data, input_dtype, output_dtype, rounding_mode):
+        if tl.float8e4nv not in (input_dtype, output_dtype):
+            return convert(data, input_dtype, output_dtype, rounding_mode)
+        x = torch.from_numpy(np.ascontiguousarray(data).view(f"int{input_dtype.primitive_bitwidth}"))
+        out = x.view(torch_dtypes[input_dtype]).to(torch_dtypes[output_dtype])
+        return out.view(bits[output_dtype.primitive_bitwidth]).numpy().view(f"uint{output_dtype.primitive_bitwidth}")
+
+    monkeypatch.setattr(interpreter, "_convert_float", fp8_by_torch)
+
+
 def rel_err(out, ref):
     return ((out.float() - ref).norm() / ref.norm()).item()
 
@@ -177,8 +229,9 @@ def tolerance(dtype):
 # ---------------------------------------------------------------- checks
 
 
-def check_rotate_and_store(device, dtype, block_size, head_dim, num_tokens, slot_dtype, qk_norm):
-    """Against the torch path: rotary.norm_and_rotate, then indexed assignment into the cache."""
+def check_rotate_and_store(device, dtype, block_size, head_dim, num_tokens, slot_dtype, qk_norm, kv_scales=None):
+    """Against the torch path: rotary.norm_and_rotate, then indexed assignment into the cache.
+    kv_scales: None for a cache of the model's dtype, (k_scale, v_scale) for a float8 one."""
     kv_store, _, _ = kernels()
     from nanograph.layers.rotary import norm_and_rotate
 
@@ -195,23 +248,28 @@ def check_rotate_and_store(device, dtype, block_size, head_dim, num_tokens, slot
     slots[::3] = -1  # padded rows
 
     ref_q, ref_k = norm_and_rotate(q, k, positions, rope.cos, rope.sin, *weights, 1e-6)
-    ref_k_cache, ref_v_cache = k_cache.clone(), v_cache.clone()
     keep = slots >= 0
+    ref_v = v
+    if kv_scales is not None:  # an fp8 cache: what was there, and what is stored, rounded to e4m3
+        k_cache, v_cache = to_fp8(k_cache), to_fp8(v_cache)
+        ref_k, ref_v = to_fp8(ref_k, kv_scales[0]), to_fp8(v, kv_scales[1])
+    ref_k_cache, ref_v_cache = k_cache.clone(), v_cache.clone()
     ref_k_cache.flatten(0, 1)[slots[keep]] = ref_k[keep]
-    ref_v_cache.flatten(0, 1)[slots[keep]] = v[keep]
+    ref_v_cache.flatten(0, 1)[slots[keep]] = ref_v[keep]
 
     to = lambda t: None if t is None else t.to(device)
     k_cache, v_cache = to(k_cache), to(v_cache)
     out_q = kv_store.rotate_and_store(to(q), to(k), to(v), to(positions), to(rope.cos), to(rope.sin),
                                       to(weights[0]), to(weights[1]), 1e-6, k_cache, v_cache,
-                                      slots.to(device, slot_dtype))
+                                      slots.to(device, slot_dtype), **fp8_scales(kv_scales))
     assert out_q.dtype == dtype and out_q.shape == q.shape
     assert rel_err(out_q.cpu(), ref_q.float()) < tolerance(dtype)
     assert rel_err(k_cache.cpu(), ref_k_cache.float()) < tolerance(dtype)
     untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
     untouched[slots[keep]] = False  # padded rows (slot -1) must write nowhere
-    assert torch.equal(k_cache.cpu().flatten(0, 1)[untouched], ref_k_cache.flatten(0, 1)[untouched])
-    assert torch.equal(v_cache.cpu(), ref_v_cache)
+    assert torch.equal(k_cache.cpu().flatten(0, 1)[untouched].float(), ref_k_cache.flatten(0, 1)[untouched].float())
+    # V is not rotated: the kernel stores the very values (and roundings) the reference does
+    assert torch.equal(v_cache.cpu().float(), ref_v_cache.float())
 
 
 def check_gemv(device, dtype, rows, n, k, bias, silu_and_mul, norm=None, tensor_cores=False):
@@ -245,30 +303,39 @@ def check_gemv(device, dtype, rows, n, k, bias, silu_and_mul, norm=None, tensor_
         assert torch.equal(r_out.cpu(), x + r)
 
 
-def check_decode(device, dtype, block_size, group, head_dim, lens, num_kv_heads=2, qk_norm=True):
-    """The fused kernel (rotate, store, attend) against the torch path, output and cache."""
+def check_decode(device, dtype, block_size, group, head_dim, lens, num_kv_heads=2, qk_norm=True, kv_scales=None):
+    """The fused kernel (rotate, store, attend) against the torch path, output and cache.
+    kv_scales: None for caches of the model's dtype; (k_scale, v_scale) for float8 caches, against
+    a reference that rounds K/V to e4m3 as the kernels do, and within fp8's error of one that
+    does not."""
     _, paged_decode, _ = kernels()
     gen = torch.Generator().manual_seed(0)
     inputs = to_device(decode_inputs(lens, block_size, group * num_kv_heads, num_kv_heads, head_dim, dtype, gen,
                                      qk_norm), device)
     scale = head_dim**-0.5
-    ref, ref_k_cache, ref_v_cache = ref_rotate_store_decode(inputs, scale)
+    if kv_scales is not None:
+        unquantized, _, _ = ref_rotate_store_decode(inputs, scale)
+        inputs["k_cache"], inputs["v_cache"] = to_fp8(inputs["k_cache"], kv_scales[0]), to_fp8(inputs["v_cache"], kv_scales[1])
+    ref, ref_k_cache, ref_v_cache = ref_rotate_store_decode(inputs, scale, kv_scales)
 
-    out = paged_decode.paged_decode_attention(**inputs, scale=scale)
+    out = paged_decode.paged_decode_attention(**inputs, scale=scale, **fp8_scales(kv_scales))
     assert out.dtype == dtype and out.shape == inputs["q"].shape
     assert torch.isfinite(out).all()
     assert rel_err(out, ref) < tolerance(dtype)
+    if kv_scales is not None:
+        assert rel_err(out, unquantized) < FP8_ERROR
     assert not out[inputs["context_lens"] == 0].any()
     # the new keys and values are in their slots, and nothing else changed (NaN == NaN here)
     for cache, ref_cache in ((inputs["k_cache"], ref_k_cache), (inputs["v_cache"], ref_v_cache)):
         written = inputs["slot_mapping"][inputs["slot_mapping"] >= 0]
         assert rel_err(cache.flatten(0, 1)[written], ref_cache.flatten(0, 1)[written].float()) < tolerance(dtype)
         cache.flatten(0, 1)[written] = ref_cache.flatten(0, 1)[written]
-        torch.testing.assert_close(cache, ref_cache, rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(cache.float(), ref_cache.float(), rtol=0, atol=0, equal_nan=True)
 
 
-def check_prefill(device, dtype, block_size, group, head_dim, seqs, num_kv_heads=2):
-    """seqs: (q_len, context_len) pairs; context_len > q_len means a cached prefix."""
+def check_prefill(device, dtype, block_size, group, head_dim, seqs, num_kv_heads=2, kv_scales=None):
+    """seqs: (q_len, context_len) pairs; context_len > q_len means a cached prefix. kv_scales: as
+    for check_decode."""
     _, _, paged_prefill = kernels()
     gen = torch.Generator().manual_seed(0)
     q_lens = [q_len for q_len, _ in seqs]
@@ -282,13 +349,20 @@ def check_prefill(device, dtype, block_size, group, head_dim, seqs, num_kv_heads
     q, k_cache, v_cache, cu_seqlens_q, context_lens, tables = (
         t.to(device) for t in (q, k_cache, v_cache, cu_seqlens_q, context_lens, tables)
     )
+    k_read, v_read = k_cache, v_cache
+    if kv_scales is not None:
+        unquantized = ref_prefill(q, k_cache, v_cache, cu_seqlens_q, context_lens, tables, scale)
+        k_cache, v_cache = to_fp8(k_cache, kv_scales[0]), to_fp8(v_cache, kv_scales[1])
+        k_read, v_read = from_fp8(k_cache, kv_scales[0]), from_fp8(v_cache, kv_scales[1])
     out = paged_prefill.paged_prefill_attention(
-        q, k_cache, v_cache, cu_seqlens_q, context_lens, tables, max(q_lens), scale
+        q, k_cache, v_cache, cu_seqlens_q, context_lens, tables, max(q_lens), scale, **fp8_scales(kv_scales)
     )
-    ref = ref_prefill(q, k_cache, v_cache, cu_seqlens_q, context_lens, tables, scale)
+    ref = ref_prefill(q, k_read, v_read, cu_seqlens_q, context_lens, tables, scale)
     assert out.dtype == dtype and out.shape == q.shape
     assert torch.isfinite(out).all()
     assert rel_err(out, ref) < tolerance(dtype)
+    if kv_scales is not None:
+        assert rel_err(out, unquantized) < FP8_ERROR
 
 
 # ---------------------------------------------------------------- GPU tests
@@ -337,6 +411,25 @@ def test_decode_many_kv_heads_single_split():
     check_decode("cuda", torch.bfloat16, 16, 1, 64, lens, num_kv_heads=16)
 
 
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("block_size", [16, 256])
+@pytest.mark.parametrize("batch", [3, 33])  # the fused kernel, rotate + split kernel
+@pytest.mark.parametrize("kv_scales", [(1.0, 1.0), (0.5, 2.0)])
+def test_decode_fp8(dtype, block_size, batch, kv_scales):
+    lens = decode_lens(batch, torch.Generator().manual_seed(batch))
+    check_decode("cuda", dtype, block_size, 2, 128, lens, num_kv_heads=8, kv_scales=kv_scales)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("kv_scales", [(1.0, 1.0), (0.25, 4.0)])
+def test_rotate_and_store_fp8(dtype, kv_scales):
+    check_rotate_and_store("cuda", dtype, 256, 128, 300, torch.int64, True, kv_scales)
+
+
 PREFILL_SEQS = {
     "single": [(300, 300)],
     "mixed": [(17, 17), (1, 1), (300, 300), (5, 1000), (130, 1003), (64, 64), (1, 40)],
@@ -366,6 +459,15 @@ def test_prefill(block_size, group, head_dim, case):
 @pytest.mark.parametrize("block_size", [16, 256])
 def test_prefill_dtypes_and_head_dims(dtype, head_dim, block_size):
     check_prefill("cuda", dtype, block_size, 4, head_dim, PREFILL_SEQS["mixed"])
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("block_size", [16, 256])
+@pytest.mark.parametrize("kv_scales", [(1.0, 1.0), (0.5, 2.0)])
+def test_prefill_fp8(dtype, block_size, kv_scales):
+    check_prefill("cuda", dtype, block_size, 2, 128, PREFILL_SEQS["mixed"], num_kv_heads=8, kv_scales=kv_scales)
 
 
 @pytest.mark.gpu
@@ -519,6 +621,35 @@ def test_decode_interpreter(dtype, group, head_dim, qk_norm, lens, monkeypatch):
     import triton.language as tl
     monkeypatch.setattr(kernels()[1], "MERGE_SPLITS", tl.constexpr(2))  # 3 working splits: the merge takes 2 loads
     check_decode("cpu", dtype, 16, group, head_dim, lens, qk_norm=qk_norm)
+
+
+# FP8 caches (kv_cache_dtype="fp8"): scales other than 1.0, so a scale applied twice or not at
+# all shows. The fused kernel quantizes the new row itself; rotate_and_store does on the split path.
+@requires_interpreter
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("lens", [[0, 1, 17, 40], [0, 1, 17, 40, 33]])  # fused kernel, rotate + split kernel
+def test_decode_fp8_interpreter(dtype, lens, exact_fp8_casts, monkeypatch):
+    import triton.language as tl
+    monkeypatch.setattr(kernels()[1], "MERGE_SPLITS", tl.constexpr(2))
+    check_decode("cpu", dtype, 16, 4, 48, lens, kv_scales=(0.5, 2.0))
+
+
+@requires_interpreter
+def test_decode_fp8_interpreter_wide_tiles(exact_fp8_casts):
+    # the split path in 256-key blocks: an fp8 tile holds 128 keys, twice a 2-byte cache's
+    check_decode("cpu", torch.float16, 256, 2, 48, [0, 17, 300, 700, 129], kv_scales=(0.5, 2.0))
+
+
+@requires_interpreter
+@pytest.mark.parametrize("kv_scales", [(1.0, 1.0), (0.25, 4.0)])
+def test_rotate_and_store_fp8_interpreter(kv_scales, exact_fp8_casts):
+    check_rotate_and_store("cpu", torch.float32, 16, 48, 7, torch.int64, True, kv_scales)
+
+
+@requires_interpreter
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_prefill_fp8_interpreter(dtype, exact_fp8_casts):
+    check_prefill("cpu", dtype, 16, 4, 48, [(1, 1), (17, 17), (5, 40), (70, 75)], kv_scales=(0.5, 2.0))
 
 
 @requires_interpreter

@@ -14,5 +14,6 @@
   weights) while the one before it finishes.
 
 Every attention kernel reads K/V through a block table, so all share one cache layout per
-layer: ``[num_blocks, block_size, num_kv_heads, head_dim]``, contiguous.
+layer: ``[num_blocks, block_size, num_kv_heads, head_dim]``, contiguous, of the model's dtype or
+float8_e4m3fn (``kv_cache_dtype="fp8"``: stored and widened by the kernels, kv_store.py).
 """

@@ -22,6 +22,21 @@ dtype before the rotation.
 A slot of -1 marks a padded row of a CUDA-graph batch: its query is still rotated (and ignored),
 but nothing is written to the cache, so replaying a graph with fewer real tokens than it was
 captured with never writes garbage into live blocks.
+
+FP8 cache. A cache tensor of dtype float8_e4m3fn (``kv_cache_dtype="fp8"``) holds K/V as
+``e4m3(x / scale)``, one scale per tensor (``k_scale``, ``v_scale``; the engine passes 1.0, as
+vLLM does by default), saturated at e4m3's largest finite value 448 instead of becoming NaN.
+The attention kernels load the bytes, widen them to the model dtype in registers and fold the
+scales into the softmax scale (K) and the output (V), so a half-size cache is also half the bytes
+read. The error: e4m3 keeps 3 mantissa bits, a relative rounding error of at most 2**-4 (2.6%
+of the norm on Gaussian data) at every magnitude from its smallest normal 2**-6 to 448; below
+2**-6 the step is a fixed 2**-9, small beside the entries that dominate a dot product. Why one
+scale per tensor, 1.0: a scale only moves that window, it does not make the rounding finer, so
+it matters only for K/V reaching past 448 (saturated) or lying mostly below 2**-6; qk-normed
+keys are at most sqrt(head_dim) times the norm weight. Choosing a scale needs calibration data
+(a scale per head would be one more scalar a program, since each reads one KV head), so the
+kernels take the scales as arguments for a calibrated model and the engine passes 1.0. Caches
+of the model's dtype (or float32) are stored and read exactly as before.
 """
 
 import torch
@@ -65,10 +80,23 @@ def norm_rotate(ptr, stride_h, num_heads, w_ptr, eps, cos, sin, half,
     return x * cos + x_partner * tl.where(dims < half, -sin, sin), heads, dims, mask
 
 
+E4M3_MAX = tl.constexpr(448.0)
+
+
+@triton.jit
+def to_cache_dtype(x, scale, cache_ptr):
+    """x as the cache at cache_ptr stores it: as it is for a cache of the model's dtype;
+    e4m3(x / scale), saturated at +-448, for a float8_e4m3fn cache."""
+    if cache_ptr.dtype.element_ty == tl.float8e4nv:
+        scaled = tl.clamp(x.to(tl.float32) / scale, -E4M3_MAX, E4M3_MAX)
+        return scaled.to(tl.float8e4nv)
+    return x
+
+
 @triton.jit
 def _rotate_and_store_kernel(
     q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, q_w_ptr, k_w_ptr, eps,
-    q_out_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    q_out_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale, v_scale,
     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh,
     stride_rope, stride_cache_slot, stride_cache_head, num_q_heads, num_kv_heads, half,
     HAS_NORM: tl.constexpr, HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr, D_PAD: tl.constexpr,
@@ -89,16 +117,18 @@ def _rotate_and_store_kernel(
     k, heads, dims, mask = norm_rotate(k_ptr + token * stride_kn, stride_kh, num_kv_heads, k_w_ptr,
                                        eps, cos, sin, half, HAS_NORM, HKV_PAD, D_PAD)
     dst = slot * stride_cache_slot + heads * stride_cache_head + dims
-    tl.store(k_cache_ptr + dst, k, mask=mask)
-    tl.store(v_cache_ptr + dst,
-             tl.load(v_ptr + token * stride_vn + heads * stride_vh + dims, mask=mask), mask=mask)
+    tl.store(k_cache_ptr + dst, to_cache_dtype(k, k_scale, k_cache_ptr), mask=mask)
+    v = tl.load(v_ptr + token * stride_vn + heads * stride_vh + dims, mask=mask)
+    tl.store(v_cache_ptr + dst, to_cache_dtype(v, v_scale, v_cache_ptr), mask=mask)
 
 
 def rotate_and_store(q, k, v, positions, cos, sin, q_weight, k_weight, eps: float,
-                     k_cache, v_cache, slot_mapping) -> torch.Tensor:
+                     k_cache, v_cache, slot_mapping, k_scale: float = 1.0,
+                     v_scale: float = 1.0) -> torch.Tensor:
     """q: [N, Hq, D]; k, v: [N, Hkv, D] (views of the QKV output are fine); positions: [N];
     cos, sin: [max_position, D / 2]; q_weight, k_weight: [D] qk-norm weights or None;
-    k_cache, v_cache: [num_blocks, block_size, Hkv, D]; slot_mapping: [N], -1 = don't store.
+    k_cache, v_cache: [num_blocks, block_size, Hkv, D], of the model's dtype or float8_e4m3fn
+    (then stored divided by k_scale, v_scale); slot_mapping: [N], -1 = don't store.
     Returns the rotated queries [N, Hq, D]; the rotated keys and the values go to the cache."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
@@ -109,7 +139,7 @@ def rotate_and_store(q, k, v, positions, cos, sin, q_weight, k_weight, eps: floa
     _rotate_and_store_kernel[(num_tokens,)](
         q, k, v, positions, cos, sin,
         q_weight if has_norm else cos, k_weight if has_norm else cos, eps,
-        q_out, k_cache, v_cache, slot_mapping,
+        q_out, k_cache, v_cache, slot_mapping, k_scale, v_scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         q_out.stride(0), q_out.stride(1), cos.stride(0), k_cache.stride(1), k_cache.stride(2),
         num_q_heads, num_kv_heads, head_dim // 2,

@@ -25,7 +25,7 @@ the group: it loads each K/V tile once and multiplies it by a ``[G, D]`` block o
 whose results are never stored.
 
 Split-KV. One program per (sequence, KV head) would leave most SMs idle at small batch, so the
-key range is cut into ``num_splits`` chunks of tiles and the grid is ``(B, Hkv, num_splits)``.
+key range is cut into ``num_splits`` chunks of tiles and the grid is ``(Hkv, B, num_splits)``.
 Split i produces a normalised partial output ``o_i`` and its log-sum-exp ``lse_i = m_i +
 log(l_i)``. Softmax over the union of chunks is a weighted average of the chunks' softmaxes, so
 ``o = sum_i exp(lse_i - M) o_i / sum_i exp(lse_i - M)``, with ``M = max_i lse_i`` for safety.
@@ -36,17 +36,30 @@ number of working splits merges them, in split order (the result does not depend
 last), and resets the counter to 0. Everything after the PDL wait is on the step's critical path,
 so the merge reads MERGE_SPLITS partials with one load and folds them in with a running maximum,
 as online softmax folds key tiles, instead of a chain of dependent L2 reads, one per split.
+A (sequence, KV head) with a single working split (one split at large batch, or a short
+context) skips all of it and stores its output directly.
+
+Memory order. The KV heads are the grid's fastest axis: GPUs start programs in grid order, so the
+Hkv programs of one sequence run side by side, and as they walk their tiles together they read
+each key's ``[Hkv, D]`` row, contiguous in the cache, as a whole, instead of ``D``-element pieces
+of rows whose other heads are read at another time (another DRAM page opening each).
+
+FP8. A float8_e4m3fn cache (kv_store.py) is loaded as bytes and widened to the model dtype in
+registers before the products; k_scale multiplies the softmax scale and v_scale the output, so
+the loop does no extra work a key. The new token's row is rounded to e4m3 before the fused path
+splices it in, so this step reads what later steps will.
 
 The plan, from static shapes only:
-- split path: ``B * Hkv * num_splits >= 2 * SMs``, two waves of programs rounded up, so the tail
-  of uneven splits is hidden; one split once ``B * Hkv`` alone fills them.
+- split path: ``B * Hkv * num_splits >= SPLIT_WAVES * SMs``, waves of programs rounded up, so the
+  tail of uneven splits is hidden; one split once ``B * Hkv`` alone fills them.
 - fused path: one wave, rounded down. Its programs are register-bound (8 warps): an SM holds one
   at head_dim 128 and two at 64, and a program of a second wave would start only once one of the
   first is done, which the merge then waits for.
 - never more splits than the block table has key tiles; each sequence divides its *own* tiles
   (``tiles_per_split = ceil(num_tiles / num_splits)``, computed in the kernel from its context
   length), so a short context in a wide block table still spreads over every split.
-- 64 keys a tile (fewer above head_dim 128: the same bytes). Where the fused path has fewer than
+- 64 keys a tile (fewer above head_dim 128, twice as many of an fp8 cache on the split path: the
+  same bytes, so the same per-tile overheads per byte). Where the fused path has fewer than
   8 splits a (sequence, KV head), a tile holds twice as many, so that at context 512 a split's
   keys are one tile, loaded before the wait, not two, the second loaded by an unpipelined loop.
 
@@ -58,20 +71,24 @@ tiles_per_split)`` splits that did work. A padded row (context_len 0) has no wor
 reads no K/V; its split 0 writes a zero output. (The measurements: docs/experiments.md.)
 """
 
+import dataclasses
 import functools
 
 import torch
 import triton
 import triton.language as tl
 
-from nanograph.kernels.kv_store import norm_rotate, rotary_angles, rotate_and_store
+from nanograph.kernels.kv_store import norm_rotate, rotary_angles, rotate_and_store, to_cache_dtype
 from nanograph.kernels.pdl import launch_options, wait_for_previous_kernel
 from nanograph.kernels.tiles import load_kv_tile, online_softmax_step
 
-# The split path's launch, tuned with tools/tune_decode.py at batch 256, context 1024.
+# The split path's launch, tuned with tools/kv_bandwidth.py at batch 256, context 1024: keys a
+# tile of a 2-byte cache (an fp8 tile holds twice as many), warps, pipeline stages, and the
+# programs it aims for, in SMs' worth (fewer splits where the batch alone launches more).
 KEYS_PER_TILE = 64
 NUM_WARPS = 4
 NUM_STAGES = 2
+SPLIT_WAVES = 2
 # The batch sizes whose decode step is a latency-bound kernel chain: the fused path.
 FUSED_MAX_BATCH = 4
 # The fused path holds more per program (rotary angles, the new row): 8 warps beat 4 at batch 1.
@@ -89,7 +106,7 @@ def _store_partial_and_merge(
     """Store this split's partial; the last working split of (seq, kv_head) to arrive merges
     them all."""
     # Scratch layout: o_part [B, Hq, num_splits, D_PAD], lse [B, Hq, num_splits].
-    first_part = (seq * (GROUP * tl.num_programs(1)) + heads) * num_splits  # split 0 of each head
+    first_part = (seq * (GROUP * tl.num_programs(0)) + heads) * num_splits  # split 0 of each head
     tl.store(o_part_ptr + (first_part + split)[:, None] * D_PAD + dims[None, :],
              acc / l_i[:, None], mask=row_mask[:, None])
     tl.store(lse_ptr + first_part + split, m_i + tl.log(l_i), mask=row_mask)
@@ -97,7 +114,7 @@ def _store_partial_and_merge(
     # The barrier puts every thread's stores before the release of the count; its acquire by
     # the last arrival makes all of them visible to it.
     tl.debug_barrier()
-    arrivals = arrivals_ptr + seq * tl.num_programs(1) + kv_head
+    arrivals = arrivals_ptr + seq * tl.num_programs(0) + kv_head
     if tl.atomic_add(arrivals, 1, sem="acq_rel") == num_working - 1:
         tl.store(arrivals, 0)  # ready for the next step
         # The partials of MERGE_SPLITS splits at a time, in one load each, folded in split order
@@ -127,7 +144,7 @@ def _store_partial_and_merge(
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, q_w_ptr, k_w_ptr, eps,
     k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-    o_part_ptr, lse_ptr, arrivals_ptr, out_ptr, scale, num_splits,
+    o_part_ptr, lse_ptr, arrivals_ptr, out_ptr, scale, k_scale, v_scale, num_splits,
     stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_rope,
     stride_cache_block, stride_cache_slot, stride_cache_head, stride_bt, stride_ob, stride_oh,
     half,
@@ -137,9 +154,9 @@ def _decode_kernel(
 ):
     """FUSED: q, k, v as the projection made them, normed, rotated and stored here. Otherwise q
     is already rotated and every key, the new one too, is in the cache: the rotary and new-token
-    arguments (k, v, positions, slots, cos, sin, weights) go unused."""
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    arguments (k, v, positions, slots, cos, sin, weights) go unused. scale includes k_scale."""
+    kv_head = tl.program_id(0)  # the fastest-moving: a sequence's heads run side by side
+    seq = tl.program_id(1)
     split = tl.program_id(2)
     rows = tl.arange(0, GROUP_PAD)
     heads = kv_head * GROUP + rows  # query heads of this group, [GROUP_PAD]
@@ -185,6 +202,9 @@ def _decode_kernel(
                                             HAS_NORM, 1, D_PAD)  # [1, D_PAD]
         v_new = tl.load(v_ptr + seq * stride_vb + kv_head * stride_vh + dims[None, :],
                         mask=new_mask)
+        # as the cache holds them, so the splice below reads what later steps will
+        k_new = to_cache_dtype(k_new, k_scale, k_cache_ptr)
+        v_new = to_cache_dtype(v_new, v_scale, v_cache_ptr)
         # int64: slot * stride exceeds 2**31 in big caches
         slot = tl.load(slot_ptr + seq).to(tl.int64)
         # the new token is ours: cache it for later steps
@@ -206,13 +226,18 @@ def _decode_kernel(
             is_new = (keys == context_len - 1)[:, None]
             k = tl.where(is_new, k_new, k)
             v = tl.where(is_new, v_new, v)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
+        # an fp8 cache's tile is widened here, in registers (a no-op for the model's dtype)
+        scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale
         # [GROUP_PAD, BLOCK_N]
         scores = tl.where((keys < context_len)[None, :], scores, float("-inf"))
         # Every tile in range holds at least one real key, so the running max stays finite.
-        m_i, l_i, acc = online_softmax_step(scores, v, m_i, l_i, acc, DOT_PRECISION)
-    _store_partial_and_merge(acc, m_i, l_i, seq, kv_head, split, num_splits,
-                             tl.cdiv(num_tiles, tiles_per_split),  # the working splits
+        m_i, l_i, acc = online_softmax_step(scores, v.to(q.dtype), m_i, l_i, acc, DOT_PRECISION)
+    acc = acc * v_scale
+    num_working = tl.cdiv(num_tiles, tiles_per_split)
+    if num_working == 1:  # the only split: no partials to merge
+        tl.store(out_ptrs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
+        return
+    _store_partial_and_merge(acc, m_i, l_i, seq, kv_head, split, num_splits, num_working,
                              heads, row_mask, dims, o_part_ptr, lse_ptr, arrivals_ptr, out_ptrs,
                              out_mask, D_PAD, GROUP, GROUP_PAD)
 
@@ -232,13 +257,44 @@ def _arrival_counters(device: torch.device, size: int) -> torch.Tensor:
     return torch.zeros(size, dtype=torch.int32, device=device)
 
 
+@dataclasses.dataclass(frozen=True)
+class DecodePlan:
+    """How _decode_kernel is launched for a batch: which path, keys a tile, splits."""
+    fused: bool
+    keys_per_tile: int
+    num_splits: int
+
+
+def decode_plan(batch: int, num_kv_heads: int, head_dim: int, block_size: int, max_blocks: int,
+                cache_element_size: int, device: torch.device) -> DecodePlan:
+    """The plan (module docstring), from static shapes only, never more splits than key tiles:
+    the split path SPLIT_WAVES waves of programs over the SMs, rounded up; the fused path one
+    wave, the programs an SM's registers hold, rounded down."""
+    d_pad = max(16, triton.next_power_of_2(head_dim))
+    fused = batch <= FUSED_MAX_BATCH
+    pairs = batch * num_kv_heads  # (sequence, KV head) pairs
+    sms = _sm_count(device)
+    programs = (2 if d_pad <= 64 else 1) * sms if fused else SPLIT_WAVES * sms
+    # 64 keys a tile (32 above head_dim 128, 128 of an fp8 cache on the split path: the same
+    # bytes); twice as many on the fused path when it has fewer than 8 splits a (sequence, KV
+    # head).
+    wide = 2 if fused and programs // pairs < 8 else 1
+    narrow_bytes = 1 if fused else max(1, 2 // cache_element_size)
+    keys_per_tile = min(block_size, KEYS_PER_TILE * wide * narrow_bytes * 128 // max(d_pad, 128))
+    num_tiles = max_blocks * block_size // keys_per_tile
+    wanted = programs // pairs if fused else triton.cdiv(programs, pairs)
+    return DecodePlan(fused, keys_per_tile, num_splits=max(1, min(wanted, num_tiles)))
+
+
 def paged_decode_attention(q, k, v, positions, slot_mapping, cos, sin, q_weight, k_weight,
                            eps: float, k_cache, v_cache, block_tables, context_lens,
-                           scale: float) -> torch.Tensor:
+                           scale: float, k_scale: float = 1.0,
+                           v_scale: float = 1.0) -> torch.Tensor:
     """q: [B, Hq, D]; k, v: [B, Hkv, D], the new tokens as the QKV projection made them (views
     are fine); positions, slot_mapping: [B] (slot -1: store nothing); cos, sin, q_weight,
     k_weight, eps: as for kv_store.rotate_and_store; k_cache, v_cache: [num_blocks, block_size,
-    Hkv, D]; block_tables: [B, max_blocks] int32; context_lens: [B] int32, the new token included.
+    Hkv, D], of the model's dtype or float8_e4m3fn with scales k_scale, v_scale (kv_store.py);
+    block_tables: [B, max_blocks] int32; context_lens: [B] int32, the new token included.
     Stores the rotated keys and the values, and returns the attention output [B, Hq, D]."""
     batch, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -246,20 +302,9 @@ def paged_decode_attention(q, k, v, positions, slot_mapping, cos, sin, q_weight,
     assert q.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
 
     d_pad = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16
-    # The plan (module docstring), from static shapes only, never more splits than key tiles:
-    # the split path two waves of programs over the SMs, rounded up; the fused path one wave,
-    # the programs an SM's registers hold, rounded down.
-    fused = batch <= FUSED_MAX_BATCH
-    pairs = batch * num_kv_heads  # (sequence, KV head) pairs
-    sms = _sm_count(q.device)
-    programs = (2 if d_pad <= 64 else 1) * sms if fused else 2 * sms
-    # 64 keys a tile (32 above head_dim 128: the same bytes); twice as many on the fused path
-    # when it has fewer than 8 splits a (sequence, KV head).
-    wide = 2 if fused and programs // pairs < 8 else 1
-    block_n = min(block_size, KEYS_PER_TILE * wide * 128 // max(d_pad, 128))
-    num_tiles = block_tables.shape[1] * block_size // block_n
-    wanted = programs // pairs if fused else triton.cdiv(programs, pairs)
-    num_splits = max(1, min(wanted, num_tiles))
+    plan = decode_plan(batch, num_kv_heads, head_dim, block_size, block_tables.shape[1],
+                       k_cache.element_size(), q.device)
+    fused, num_splits = plan.fused, plan.num_splits
 
     o_part = torch.empty(batch, num_q_heads, num_splits, d_pad, dtype=torch.float32,
                          device=q.device)
@@ -267,19 +312,20 @@ def paged_decode_attention(q, k, v, positions, slot_mapping, cos, sin, q_weight,
     out = torch.empty(batch, num_q_heads, head_dim, dtype=q.dtype, device=q.device)
     if not fused:
         q = rotate_and_store(q, k, v, positions, cos, sin, q_weight, k_weight, eps,
-                             k_cache, v_cache, slot_mapping)
+                             k_cache, v_cache, slot_mapping, k_scale, v_scale)
     assert k.stride(-1) == 1 and v.stride(-1) == 1 and cos.stride(-1) == 1 and head_dim % 2 == 0
     has_norm = q_weight is not None
-    _decode_kernel[(batch, num_kv_heads, num_splits)](
+    _decode_kernel[(num_kv_heads, batch, num_splits)](
         q, k, v, positions, slot_mapping, cos, sin,
         q_weight if has_norm else cos, k_weight if has_norm else cos, eps,
         k_cache, v_cache, block_tables, context_lens,
-        o_part, lse, _arrival_counters(q.device, batch * num_kv_heads), out, scale, num_splits,
+        o_part, lse, _arrival_counters(q.device, batch * num_kv_heads), out, scale * k_scale,
+        k_scale, v_scale, num_splits,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1), head_dim // 2,
         FUSED=fused, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        BLOCK_SIZE=block_size, BLOCK_N=block_n, D_PAD=d_pad, HAS_NORM=has_norm,
+        BLOCK_SIZE=block_size, BLOCK_N=plan.keys_per_tile, D_PAD=d_pad, HAS_NORM=has_norm,
         # float32 inputs get exact products (not TF32) to match a float32 reference.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=FUSED_NUM_WARPS if fused else NUM_WARPS,

@@ -24,6 +24,9 @@ reads KV head ``h // (Hq // Hkv)``.
 
 The grid is ``(cdiv(max_seqlen_q, BLOCK_M), S, Hq)``; programs whose query
 block starts past their sequence's length return at once.
+
+An FP8 cache (float8_e4m3fn, kv_store.py) is widened to q's dtype tile by tile in
+registers; its K scale is folded into the softmax scale, its V scale into the output.
 """
 
 import torch
@@ -36,7 +39,7 @@ from nanograph.kernels.tiles import load_kv_tile, online_softmax_step
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
-    cu_seqlens_q_ptr, context_lens_ptr, block_tables_ptr, scale,
+    cu_seqlens_q_ptr, context_lens_ptr, block_tables_ptr, scale, v_scale,
     stride_qn, stride_qh, stride_on, stride_oh,
     stride_cache_block, stride_cache_slot, stride_cache_head, stride_bt, head_dim,
     GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -70,23 +73,23 @@ def _prefill_kernel(
             k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt, kv_start, kv_end,
             kv_head, dims, dim_mask, stride_cache_block, stride_cache_slot, stride_cache_head,
             BLOCK_SIZE, BLOCK_N)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
+        scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale
         # Causal mask; it also hides keys >= kv_end from every real query.
         scores = tl.where(keys[None, :] <= q_pos[:, None], scores, float("-inf"))
         # Key 0 is visible to every row, so after the first tile m_i is finite
         # and rows that see nothing in a later tile just get p == 0.
-        m_i, l_i, acc = online_softmax_step(scores, v, m_i, l_i, acc, DOT_PRECISION)
+        m_i, l_i, acc = online_softmax_step(scores, v.to(q.dtype), m_i, l_i, acc, DOT_PRECISION)
 
-    out = acc / l_i[:, None]
+    out = acc * v_scale / l_i[:, None]
     tl.store(out_ptr + (q_start + rows)[:, None] * stride_on + head * stride_oh + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
 def paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables,
-                            max_seqlen_q, scale):
-    """q: [Nq, Hq, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D];
-    cu_seqlens_q: [S + 1] int32; context_lens: [S] int32; block_tables: [S, max_blocks]
-    int32; max_seqlen_q: host int. Returns [Nq, Hq, D]."""
+                            max_seqlen_q, scale, k_scale: float = 1.0, v_scale: float = 1.0):
+    """q: [Nq, Hq, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D], of q's dtype or
+    float8_e4m3fn with scales k_scale, v_scale; cu_seqlens_q: [S + 1] int32; context_lens: [S]
+    int32; block_tables: [S, max_blocks] int32; max_seqlen_q: host int. Returns [Nq, Hq, D]."""
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = cu_seqlens_q.shape[0] - 1
@@ -99,7 +102,8 @@ def paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, blo
     out = torch.empty(num_tokens, num_q_heads, head_dim, dtype=q.dtype, device=q.device)
     grid = (triton.cdiv(max_seqlen_q, block_m), num_seqs, num_q_heads)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, out, cu_seqlens_q, context_lens, block_tables, scale,
+        q, k_cache, v_cache, out, cu_seqlens_q, context_lens, block_tables,
+        scale * k_scale, v_scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), head_dim,
         GROUP=num_q_heads // num_kv_heads, BLOCK_SIZE=block_size, BLOCK_M=block_m,
