@@ -25,6 +25,7 @@ class Config:
     max_num_mixed_tokens: int = 2048           # ... when something does (scheduler.py)
     kvcache_block_size: int = 256
     num_kvcache_blocks: int | None = None      # None: as many as memory allows
+    kv_cache_dtype: str = "auto"               # "auto": the model's dtype; "fp8": e4m3 K/V
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
     cuda_graph_max_bs: int | None = None       # None: min(max_num_seqs, 512); 0: no graphs
@@ -38,11 +39,12 @@ class Config:
     max_loras: int = 4                         # adapters resident at once (GPU slots)
     max_lora_rank: int = 64
     # and, derived in __post_init__:
-    # model_dir (str), hf_config (the HF PretrainedConfig), torch_dtype
+    # model_dir (str), hf_config (the HF PretrainedConfig), torch_dtype, kv_cache_torch_dtype
 
     def __post_init__(self):
         self.device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
         for name, allowed in (("load_format", ("auto", "dummy")),
+                              ("kv_cache_dtype", ("auto", "fp8")),
                               ("attention_backend", ("auto", "flash_attn", "triton", "torch"))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
@@ -61,6 +63,8 @@ class Config:
         if self.attention_backend == "flash_attn" and bs != 256:
             raise ValueError(
                 f"attention_backend='flash_attn' needs kvcache_block_size=256, got {bs}")
+        if self.attention_backend == "flash_attn" and self.kv_cache_dtype == "fp8":
+            raise ValueError("attention_backend='flash_attn' cannot read kv_cache_dtype='fp8'")
         if self.cuda_graph_sizes is not None and min(self.cuda_graph_sizes, default=0) < 1:
             raise ValueError("cuda_graph_sizes must be a non-empty list of sizes >= 1, "
                              f"got {self.cuda_graph_sizes}")
@@ -77,6 +81,8 @@ class Config:
         self.hf_config = AutoConfig.from_pretrained(self.model_dir)
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
         self.torch_dtype = self._resolve_dtype()
+        self.kv_cache_torch_dtype = (torch.float8_e4m3fn if self.kv_cache_dtype == "fp8"
+                                     else self.torch_dtype)
 
     def _resolve_dtype(self):
         """auto: the checkpoint's half type (else bf16) on CUDA, float32 on the CPU."""

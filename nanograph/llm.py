@@ -358,4 +358,5 @@ class LLM(contextlib.AbstractContextManager):  # `with LLM(...) as llm:` closes 
                 "steps": dict(self.scheduler.steps),
                 "num_kvcache_blocks": self.runner.num_kv_blocks,
                 "attention_backend": self.config.attention_backend,
+                "kv_cache_dtype": str(self.config.kv_cache_torch_dtype).removeprefix("torch."),
                 **(self.runner.graphs.stats_dict() if self.runner.graphs is not None else {})}

@@ -134,7 +134,7 @@ class ModelRunner:
 
     # ---- KV cache ------------------------------------------------------------------------
     def allocate_kv_cache(self):
-        block_bytes = 2 * len(self.attention_layers) * self.config.torch_dtype.itemsize \
+        block_bytes = 2 * len(self.attention_layers) * self.config.kv_cache_torch_dtype.itemsize \
             * math.prod(self.kv_block_shape)
         num_blocks = self.config.num_kvcache_blocks
         if num_blocks is None and self.device.type == "cuda":
@@ -158,7 +158,7 @@ class ModelRunner:
 
     def bind_kv_cache(self, num_blocks):
         self.kv_cache = torch.zeros(2, len(self.attention_layers), num_blocks, *self.kv_block_shape,
-                                    dtype=self.config.torch_dtype, device=self.device)
+                                    dtype=self.config.kv_cache_torch_dtype, device=self.device)
         for i, attn in enumerate(self.attention_layers):
             attn.k_cache = self.kv_cache[0, i]
             attn.v_cache = self.kv_cache[1, i]

@@ -33,13 +33,21 @@ from nanograph.layers.rotary import norm_and_rotate
 from nanograph.utils.context import AttentionInputs, get_step_metadata
 
 
+def as_cached(x, cache):
+    """x as the cache holds it: an fp8 cache rounds to e4m3, saturated at +-448 (scale 1.0, as
+    kernels/kv_store.py with the engine's scales)."""
+    if cache.dtype == torch.float8_e4m3fn:
+        x = x.clamp(-448, 448)
+    return x.to(cache.dtype)
+
+
 def torch_rotate_and_store(q, k, v, positions, cos, sin, q_weight, k_weight, eps,
                            k_cache, v_cache, slot_mapping):
     """kernels/kv_store.py's rotate_and_store in torch."""
     q, k = norm_and_rotate(q, k, positions, cos, sin, q_weight, k_weight, eps)
     keep = slot_mapping >= 0
-    k_cache.view(-1, *k.shape[1:])[slot_mapping[keep]] = k[keep]
-    v_cache.view(-1, *v.shape[1:])[slot_mapping[keep]] = v[keep]
+    k_cache.view(-1, *k.shape[1:])[slot_mapping[keep]] = as_cached(k[keep], k_cache)
+    v_cache.view(-1, *v.shape[1:])[slot_mapping[keep]] = as_cached(v[keep], v_cache)
     return q
 
 
@@ -56,7 +64,8 @@ def torch_attend(q, k_cache, v_cache, inputs: AttentionInputs, scale: float):
     for s, ctx in enumerate(lens):
         # the cache [blocks, block_size, H, D] through the sequence's table -> [H, ctx, D]
         blocks = inputs.block_tables[s].clamp(min=0)
-        k, v = (cache[blocks].flatten(0, 1)[:ctx].transpose(0, 1) for cache in (k_cache, v_cache))
+        k, v = (cache[blocks].flatten(0, 1)[:ctx].transpose(0, 1).to(q.dtype)  # fp8: widened
+                for cache in (k_cache, v_cache))
         qs = q[cu[s]:cu[s + 1]].transpose(0, 1)  # [Hq, q_len, D]; k, v: [Hkv, ctx, D]
         q_len = qs.shape[1]
         # query i sits at position ctx - q_len + i and sees keys 0 .. ctx - q_len + i
