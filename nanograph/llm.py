@@ -172,9 +172,10 @@ class LLM(contextlib.AbstractContextManager):  # `with LLM(...) as llm:` closes 
         if any(t >= vocab for t in params.stop_token_ids or ()):
             raise ValueError(f"{name}: stop_token_ids {params.stop_token_ids} "
                              f"outside the vocabulary [0, {vocab})")
-        if (params.logprobs or 0) > vocab:
-            raise ValueError(
-                f"{name}: logprobs={params.logprobs} is above the vocabulary size {vocab}")
+        for knob in ("logprobs", "prompt_logprobs"):
+            if (getattr(params, knob) or 0) > vocab:
+                raise ValueError(f"{name}: {knob}={getattr(params, knob)} is above the "
+                                 f"vocabulary size {vocab}")
         if params.n > cfg.max_num_seqs:
             raise ValueError(
                 f"{name}: n={params.n} completions but max_num_seqs={cfg.max_num_seqs}")

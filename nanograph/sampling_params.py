@@ -29,13 +29,16 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     n: int = 1                     # completions of the prompt; the prompt is computed once
     logprobs: int | None = None    # per token: the sampled token's log-probability and the top N's
+    prompt_logprobs: int | None = None  # per prompt token: its log-probability and the top N's
     min_tokens: int = 0            # EOS and the stop ids are masked until this many tokens
     skip_special_tokens: bool = True
 
     def __post_init__(self):
-        for name in ("top_k", "max_tokens", "seed", "n", "logprobs", "min_tokens"):
+        for name in ("top_k", "max_tokens", "seed", "n", "logprobs", "prompt_logprobs",
+                     "min_tokens"):
             value = getattr(self, name)
-            if not is_int(value) and not (name in ("seed", "logprobs") and value is None):
+            optional = ("seed", "logprobs", "prompt_logprobs")
+            if not is_int(value) and not (name in optional and value is None):
                 raise ValueError(f"{name} must be an integer, got {value!r}")
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be >= 0 and finite, got {self.temperature}")
@@ -43,7 +46,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k == 0 or self.top_k < -1:
             raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
-        for name, low in (("max_tokens", 1), ("n", 1), ("logprobs", 0), ("min_tokens", 0)):
+        for name, low in (("max_tokens", 1), ("n", 1), ("logprobs", 0), ("prompt_logprobs", 0),
+                          ("min_tokens", 0)):
             if (getattr(self, name) or 0) < low:
                 raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")
         if self.min_tokens > self.max_tokens:

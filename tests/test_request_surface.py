@@ -127,6 +127,35 @@ def test_logprobs_equal_hf_log_softmax(tiny_model):
     assert plain[0]["logprobs"] is None and plain[0]["cumulative_logprob"] is None
 
 
+def test_prompt_logprobs_equal_hf_log_softmax_in_chunks_and_past_the_prefix_cache(tiny_model):
+    """vLLM's layout: one entry per prompt token, the first None, each {token id: logprob} of the
+    prompt's token and the top N, from the raw logits. The prompts run in chunks of 16 beside each
+    other; the second call finds the prompts' blocks cached and computes them again (a cached block
+    has no logits), while a request without prompt logprobs still takes the hits."""
+    path = tiny_model("qwen3")
+    prompts = random_prompts([40, 23], seed=9)
+    llm = engine(path, max_num_batched_tokens=16)
+    params = greedy(max_tokens=2, prompt_logprobs=2)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    for call in range(2):
+        hits = llm.stats()["prefix_cache_hit_tokens"]
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert llm.stats()["prefix_cache_hit_tokens"] == hits  # none taken
+        for prompt, out in zip(prompts, outs):
+            with torch.no_grad():
+                expected = torch.log_softmax(model(torch.tensor([prompt])).logits[0], dim=-1)
+            entries = out["prompt_logprobs"]
+            assert len(entries) == len(prompt) and entries[0] is None
+            for row, token, entry in zip(expected, prompt[1:], entries[1:]):
+                assert set(entry) == set(row.topk(2).indices.tolist()) | {token}
+                for token_id, logprob in entry.items():
+                    assert logprob == pytest.approx(row[token_id].item(), abs=1e-4)
+    plain = llm.generate(prompts, greedy(max_tokens=2), use_tqdm=False)
+    assert [o["token_ids"] for o in plain] == [o["token_ids"] for o in outs]
+    assert plain[0]["prompt_logprobs"] is None and llm.stats()["prefix_cache_hit_tokens"] > hits
+    assert_all_blocks_free(llm)
+
+
 def test_chat_is_generate_on_the_templated_text(text_model, tiny_model):
     llm = engine(text_model())
     conversation = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]

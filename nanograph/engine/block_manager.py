@@ -10,7 +10,8 @@ whole prefix, so equal hashes mean equal prefixes (the tokens are compared too, 
 against collisions). A sequence with a LoRA adapter starts its chain from a hash of the adapter
 instead of 0: its K/V differ from the base model's for the same tokens, so they share nothing.
 A new sequence walks its full prompt blocks and shares every registered block it finds
-(ref_count += 1) instead of recomputing it. Blocks are registered after the step
+(ref_count += 1) instead of recomputing it; one that asks for its prompt's logprobs takes no hits
+(a cached block has K/V but no logits), so its prompt is computed whole. Blocks are registered after the step
 that computes them, never at allocation: a chunked prefill must not lend out a block whose K/V
 is still garbage.
 
@@ -72,7 +73,9 @@ class BlockManager:
         theirs)."""
         assert not seq.block_table
         prefix_hash = seq.cache_salt
-        while (block := self._cached_block(seq, len(seq.block_table), prefix_hash)) is not None:
+        use_cache = seq.prompt_logprobs is None
+        while use_cache and (block := self._cached_block(seq, len(seq.block_table),
+                                                         prefix_hash)) is not None:
             if block.ref_count == 0:
                 self.free_block_ids.remove(block.block_id)
             block.ref_count += 1

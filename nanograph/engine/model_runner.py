@@ -44,6 +44,7 @@ from nanograph.utils.context import AttentionInputs, StepMetadata, set_step_meta
 from nanograph.utils.loader import init_dummy_weights, load_weights
 
 CPU_KV_CACHE_BYTES = 1 << 30
+PROMPT_LOGPROB_ROWS = 512  # prompt tokens scored at once (a [rows, vocab] float32 table)
 
 
 class RunnerExtension:
@@ -73,10 +74,21 @@ class Logprobs(NamedTuple):
 class InFlight:
     """A launched step. Its host copies are complete once `done` has passed."""
     batch: Batch
+    step: StepInput
     sampled_ids: torch.Tensor          # [rows], on the host
     logprobs: Logprobs | None          # on the host, when some row asked for them
-    num_logprobs: list[int] | None     # per row, -1 = none (StepInput)
+    prompt_logprobs: Logprobs | None   # on the host, when some prompt token's are asked for
     done: torch.cuda.Event | None      # None on the CPU, where the copies are synchronous
+
+
+def logprob_dicts(tokens: list[int], logprobs: Logprobs, top_n: list[int]) -> list[dict]:
+    """{token id: logprob} for each token: its first top_n[i] most likely tokens' and its own."""
+    own, top_values, top_ids = (t.tolist() for t in logprobs)
+    dicts = []
+    for i, token in enumerate(tokens):
+        count = max(top_n[i], 0)
+        dicts.append(dict(zip(top_ids[i][:count], top_values[i][:count])) | {token: own[i]})
+    return dicts
 
 
 def to_host(tensor: torch.Tensor) -> torch.Tensor:
@@ -212,37 +224,56 @@ class ModelRunner:
             extension.bind(inputs, shape)
         hidden = self.model(self.tokens.resolve(inputs["input_ids"]), inputs["positions"])
         set_step_metadata(None)
-        if shape.prefill_tokens:  # only the tokens that sample go through the LM head
-            hidden = hidden[inputs["sample_indices"]]
+        # only the tokens that sample go through the LM head
+        sampling = hidden[inputs["sample_indices"]] if shape.prefill_tokens else hidden
         rows = shape.rows
-        self.logits[:rows] = self.model.lm_head(hidden)
+        self.logits[:rows] = self.model.lm_head(sampling)
         self.sampled[:rows] = sample_softmax(self.logits[:rows], inputs["temperatures"],
                                              inputs["seeds"], inputs["sample_lens"])
         self.tokens.put(self.sampled[:rows])
+        return hidden
 
     @torch.inference_mode()
     def run(self, step: StepInput):
-        """The logits [rows, vocab] and sampled ids [rows] of the step's sampling rows; the ids
-        also go into the token table. Every tensor-parallel rank runs this and samples the same
-        ids."""
+        """The logits [rows, vocab] and sampled ids [rows] of the step's sampling rows (the ids
+        also go into the token table), and its prompt logprobs when asked. Every tensor-parallel
+        rank runs this and samples the same ids."""
         extra_values = {}
         for extension in self.extensions:
             extra_values |= extension.before_step(step)
         exact = step.exact_shape()
-        bucket = self.graphs.lookup(exact) if self.graphs is not None else None
+        bucket = None
+        # (prompt logprobs need every token's hidden state, which a graph keeps to itself)
+        if self.graphs is not None and not step.prompt_logprob_indices:
+            bucket = self.graphs.lookup(exact)
         shape = bucket or exact
         self.buffers.fill(step, shape, extra_values)
+        prompt_logprobs = None
         if bucket is not None:
             self.graphs.replay(bucket, exact)
         else:
-            self.forward(shape)
+            hidden = self.forward(shape)
+            if step.prompt_logprob_indices:
+                prompt_logprobs = self.score_prompt(step, hidden)
         logits, sampled = self.logits[:exact.rows], self.sampled[:exact.rows]
         if step.top_ks is not None or step.banned:  # the filters the forward leaves out
             sampled = self.resample(step, shape, logits)
         if step.block_copies:  # forks' copies of their parent's partial block, once it is computed
             src, dst = self.upload(step.block_copies, torch.int64).T
             self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
-        return logits, sampled
+        return logits, sampled, prompt_logprobs
+
+    def score_prompt(self, step: StepInput, hidden: torch.Tensor) -> Logprobs:
+        """Each asked-for prompt token's log-probability given the tokens before it, and the top
+        N's: from the raw logits, as vLLM reports them, PROMPT_LOGPROB_ROWS tokens at a time."""
+        indices = self.upload(step.prompt_logprob_indices, torch.int64)
+        targets = self.upload(step.prompt_logprob_targets, torch.int64)
+        parts = []
+        for start in range(0, len(indices), PROMPT_LOGPROB_ROWS):
+            rows = slice(start, start + PROMPT_LOGPROB_ROWS)
+            logits = self.model.lm_head(hidden[indices[rows]])
+            parts.append(top_logprobs(logits, targets[rows], step.num_prompt_logprobs))
+        return Logprobs(*(torch.cat(column) for column in zip(*parts)))
 
     def resample(self, step: StepInput, shape: StepShape, logits: torch.Tensor):
         """Sample the step's rows again, after top-k / top-p and the min_tokens mask (the graph's
@@ -262,32 +293,35 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, batch: Batch) -> InFlight:
         step = build_step(batch, self.block_size)
-        logits, sampled = self.run(step)
+        logits, sampled, prompt_logprobs = self.run(step)
         logprobs = None
         if step.num_logprobs is not None:
             logprobs = Logprobs(*top_logprobs(logits, sampled, max(step.num_logprobs)))
         sampled = to_host(sampled)
         if logprobs is not None:
             logprobs = Logprobs(*map(to_host, logprobs))
+        if prompt_logprobs is not None:
+            prompt_logprobs = Logprobs(*map(to_host, prompt_logprobs))
         done = torch.cuda.current_stream().record_event() if self.device.type == "cuda" else None
-        return InFlight(batch, sampled, logprobs, step.num_logprobs, done)
+        return InFlight(batch, step, sampled, logprobs, prompt_logprobs, done)
 
     @staticmethod
     def collect(launched: InFlight):
-        """The step's sampled ids and, when some row asked, each row's {token id: logprob}: its
-        top N and the sampled token's (a row that did not ask gets the sampled token's alone)."""
+        """The step's sampled ids; when some row asked, each row's {token id: logprob}: its top N
+        and the sampled token's (a row that did not ask gets the sampled token's alone); and the
+        asked-for prompt tokens' {token id: logprob}, the same way."""
         if launched.done is not None:
             launched.done.synchronize()
+        step = launched.step
         ids = launched.sampled_ids.tolist()
-        if launched.logprobs is None:
-            return ids, None
-        sampled, top_values, top_ids = (t.tolist() for t in launched.logprobs)
-        rows = []
-        for row, token in enumerate(ids):
-            top_n = max(launched.num_logprobs[row], 0)
-            top = dict(zip(top_ids[row][:top_n], top_values[row][:top_n]))
-            rows.append(top | {token: sampled[row]})
-        return ids, rows
+        logprobs = prompt_logprobs = None
+        if launched.logprobs is not None:
+            logprobs = logprob_dicts(ids, launched.logprobs, step.num_logprobs)
+        if launched.prompt_logprobs is not None:
+            top_n = [step.num_prompt_logprobs] * len(step.prompt_logprob_targets)
+            prompt_logprobs = logprob_dicts(step.prompt_logprob_targets, launched.prompt_logprobs,
+                                            top_n)
+        return ids, logprobs, prompt_logprobs
 
     def close(self):
         if self.graphs is not None:

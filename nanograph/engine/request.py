@@ -97,9 +97,10 @@ class Request:
                 "cumulative_logprob": None if seq.logprobs is None else seq.cumulative_logprob}
 
     def result(self):
-        """generate's dict: the first completion's keys at the top level, all n in `outputs`."""
+        """generate's dict: the first completion's keys at the top level, all n in `outputs`, and
+        the prompt's logprobs (the request's: one entry per prompt token, the first None)."""
         outputs = [self.completion(i) for i in range(len(self.seqs))]
-        return {**outputs[0], "outputs": outputs}
+        return {**outputs[0], "outputs": outputs, "prompt_logprobs": self.seqs[0].prompt_logprobs}
 
     def step_output(self):
         """step()'s dict: the result so far, which request, whether it is finished."""

@@ -68,6 +68,8 @@ class Batch:
     # per sampling row: who gets its token, and the index in seqs of the sequence it samples
     rows: list[tuple[Sequence, int]] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), after the step
+    # (index in seqs, position p): prompt positions whose next token's logprobs the step computes
+    prompt_positions: list[tuple[int, int]] = field(default_factory=list)
     variant: int = 0  # which of the runner's graph variants the step needs; 0 = the base model's
     extras: dict = field(default_factory=dict)  # what the slots table attached, for the runner
 
@@ -166,6 +168,9 @@ class Scheduler:
         self.steps[batch.kind] += 1
         for i, (seq, num_tokens) in enumerate(zip(batch.seqs, batch.num_tokens)):
             batch.starts.append(seq.num_computed_tokens)
+            if seq.prompt_logprobs is not None and i >= batch.num_decodes:
+                last = min(seq.num_computed_tokens + num_tokens, seq.num_prompt_tokens - 1)
+                batch.prompt_positions += [(i, p) for p in range(seq.num_computed_tokens, last)]
             seq.num_computed_tokens += num_tokens
             if seq.num_computed_tokens < len(seq):
                 continue  # a prefill chunk (not the prompt's end) samples nothing
@@ -195,9 +200,14 @@ class Scheduler:
         self.waiting.insert(1 if self.waiting and self.waiting[0].block_table else 0, seq)
         self.num_preemptions += 1
 
-    def update(self, batch: Batch, sampled: list[int], logprobs: list[dict | None] | None = None):
+    def update(self, batch: Batch, sampled: list[int], logprobs: list[dict | None] | None = None,
+               prompt_logprobs: list[dict] | None = None):
         """Account for a collected step: each row's token (and its logprobs, when asked) into its
-        sequence. Returns the sequences that got a token (finished ones with their reason)."""
+        sequence, and the prompt logprobs it computed. Returns the sequences that got a token
+        (finished ones with their reason)."""
+        for (index, position), entry in zip(batch.prompt_positions, prompt_logprobs or ()):
+            # (a recompute after preemption writes the same entries again)
+            batch.seqs[index].prompt_logprobs[position + 1] = entry
         for seq, start, num_tokens in zip(batch.seqs, batch.starts, batch.num_tokens):
             # blocks this step completed (none if it was preempted since: its counter went
             # back to 0)

@@ -48,6 +48,10 @@ class Sequence:
         self.finish_reason: str | None = None   # "stop" | "length" | "abort"
         self.stop_reason: int | str | None = None  # the stop id or stop string that ended it
         self.logprobs: list[dict] | None = [] if self.params.logprobs is not None else None
+        # prompt_logprobs: entry i for prompt token i, None for the first (nothing predicts it)
+        self.prompt_logprobs: list[dict | None] | None = None
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * self.num_prompt_tokens
         self.cumulative_logprob = 0.0
 
     def __len__(self):

@@ -52,6 +52,10 @@ class StepInput:
     # top log-probabilities to return, -1 = none; None: no row
     num_logprobs: list[int] | None = None
     banned: list[tuple[int, int]] = field(default_factory=list)  # (row, token) masked: min_tokens
+    # prompt logprobs: the tokens whose hidden states score the prompt token after them
+    prompt_logprob_indices: list[int] = field(default_factory=list)  # a token's index in the step
+    prompt_logprob_targets: list[int] = field(default_factory=list)  # the prompt token it scores
+    num_prompt_logprobs: int = 0  # the top N returned with each (the step's largest)
     # per step
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # after the forward: forks
     variant: int = 0                      # which graph variant it needs (Batch.variant)
@@ -120,6 +124,11 @@ def build_step(batch: Batch, block_size) -> StepInput:
         step.top_ps = [p.top_p for p in params]
     if any(p.logprobs is not None for p in params):
         step.num_logprobs = [-1 if p.logprobs is None else p.logprobs for p in params]
+    for index, position in batch.prompt_positions:
+        seq = batch.seqs[index]
+        step.prompt_logprob_indices.append(step.cu_seqlens_q[index] + position - batch.starts[index])
+        step.prompt_logprob_targets.append(seq.token_ids[position + 1])
+        step.num_prompt_logprobs = max(step.num_prompt_logprobs, seq.params.prompt_logprobs)
     return step
 
 
