@@ -8,6 +8,7 @@ import asyncio
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -117,7 +118,7 @@ def lora(adapters):
 
 @pytest.fixture(scope="module")
 def server(text_model, lora, tmp_path_factory):
-    flags = as_flags(KNOBS) + ["--served-model-name", MODEL,
+    flags = as_flags(KNOBS) + ["--served-model-name", MODEL, "--max-request-body-bytes", "2000000",
                                "--enable-lora", "--lora-modules", f"qv8={lora.path}"]
     server = Server(text_model("qwen3"), flags, tmp_path_factory.mktemp("serve") / "log",
                     start=("-c", SLOW_BUILD))
@@ -410,6 +411,16 @@ def test_chat_content_parts_and_fields_that_change_nothing(client, offline):
     assert got.id.startswith("chatcmpl-")
 
 
+def test_chat_without_a_template_points_to_completions(text_model):
+    from transformers import AutoTokenizer
+    from nanograph.serve.protocol import ChatRequest
+    tokenizer = AutoTokenizer.from_pretrained(text_model("qwen3"))
+    tokenizer.chat_template = None
+    request = ChatRequest.model_validate({"messages": [{"role": "user", "content": "hi"}]})
+    with pytest.raises(ValueError, match="no chat template: use /v1/completions"):
+        request.prepare(tokenizer, max_model_len=256)
+
+
 def test_max_tokens_past_the_context_is_refused_like_openai(server):
     response = httpx.post(server.url + "/v1/completions",
                           json={"prompt": [5] * 250, "max_tokens": 7})  # max_model_len=256
@@ -501,6 +512,57 @@ def test_bad_requests_never_reach_the_engine(server):
     assert server.metrics()["nanograph:e2e_request_latency_seconds_count"] == before
 
 
+# ---- faults: a request never kills the server ----------------------------------------------------
+RAISES_ON_UNKNOWN_ROLES = ("{% for m in messages %}{% if m['role'] not in ['user', 'assistant'] %}"
+                           "{{ raise_exception('unknown role ' + m['role']) }}{% endif %}"
+                           "{{ m['content'] }}{% endfor %}")
+FAULTS = {  # name: (chat body, what the 400 says)
+    "template raises": ({"messages": [{"role": "narrator", "content": "hi"}],
+                         "chat_template_kwargs": {"chat_template": RAISES_ON_UNKNOWN_ROLES}},
+                        "unknown role narrator"),
+    "tokenize kwarg": ({"messages": [{"role": "user", "content": "hi"}],
+                        "chat_template_kwargs": {"tokenize": True}}, "tokenize"),
+}
+
+
+@pytest.mark.parametrize("name", list(FAULTS))
+def test_a_fault_in_a_request_is_its_400_and_the_server_goes_on(server, client, name):
+    body, why = FAULTS[name]
+    response = httpx.post(server.url + "/v1/chat/completions", json={**body, "max_tokens": 3})
+    assert response.status_code == 400 and why in response.json()["error"]["message"]
+    again = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                           max_tokens=3)
+    assert again.choices[0].finish_reason == "length"
+
+
+def test_a_huge_body_is_a_413_at_once_and_a_long_prompt_freezes_no_stream(server):
+    """The server's limit is 2 MB here; a prompt of 1.3 MB takes the tokenizer seconds, in a
+    worker thread: the stream beside it goes on."""
+    arrivals = []
+
+    def stream():
+        body = {"prompt": "hello", "max_tokens": 200, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body) as r:
+            arrivals.extend(time.monotonic() for line in r.iter_lines() if line)
+
+    with ThreadPoolExecutor(1) as pool:
+        streaming = pool.submit(stream)
+        assert wait_until(lambda: len(arrivals) > 3)
+        start = time.monotonic()
+        huge = httpx.post(server.url + "/v1/completions", content=b" " * 3_000_000,
+                          headers={"content-type": "application/json"})
+        assert huge.status_code == 413 and time.monotonic() - start < 1
+        start = time.monotonic()
+        long = httpx.post(server.url + "/v1/completions",
+                          json={"prompt": "the quick brown fox jumps over the lazy dog. " * 30000},
+                          timeout=60)
+        tokenized = time.monotonic() - start
+        assert long.status_code == 400 and "maximum context length" in long.text
+        streaming.result()
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    assert len(arrivals) > 50 and tokenized > 1 and max(gaps) < tokenized / 3, (tokenized, gaps)
+
+
 # ---- disconnects, failures, shutdown -------------------------------------------------------------
 def wait_until(condition, timeout: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout
@@ -532,26 +594,40 @@ def test_a_client_that_disconnects_has_its_request_aborted(server):
     assert server.metrics()["nanograph:generation_tokens_total"] - generated < 240
 
 
-def test_a_failed_step_is_a_500_and_the_server_goes_on(text_model):
-    """In-process: the engine thread and the app, with one launch made to fail."""
+def test_a_fault_at_intake_or_in_a_step_is_a_500_and_the_server_goes_on(text_model, caplog):
+    """In-process: the engine thread and the app, with add_request (as a corrupt adapter's
+    SafetensorError would) and then launches made to fail."""
+    from safetensors import SafetensorError
     from nanograph.serve.api import create_app
     from nanograph.serve.engine_thread import EngineThread
     engine = EngineThread(text_model("qwen3"), KNOBS)
     engine.thread.start()
     assert engine.wait_ready()
     launch, failures = engine.llm.runner.launch, [RuntimeError("device on fire")] * 2
+    add_request = engine.llm.add_request
+    intake = [SafetensorError("header too large"), None, SafetensorError("header too large")]
 
     def flaky_launch(batch):
         if failures:
             raise failures.pop()
         return launch(batch)
 
-    engine.llm.runner.launch = flaky_launch
+    def flaky_add(*args):
+        if intake and intake.pop(0) is not None:
+            raise SafetensorError("header too large")
+        return add_request(*args)
+
+    engine.llm.add_request = flaky_add
     body = {"prompt": "hello", "max_tokens": 5}
 
     async def requests():
         transport = httpx.ASGITransport(app=create_app(engine, MODEL, {}))
         async with httpx.AsyncClient(transport=transport, base_url="http://serve") as http:
+            for prompt in ("hello", ["hello", "again"]):  # two prompts: the second fails
+                failed = await http.post("/v1/completions", json={**body, "prompt": prompt})
+                assert failed.status_code == 500
+                assert "header too large" in failed.json()["error"]["message"]
+            engine.llm.runner.launch = flaky_launch
             failed = await http.post("/v1/completions", json=body)
             assert failed.status_code == 500
             assert "device on fire" in failed.json()["error"]["message"]
@@ -562,10 +638,79 @@ def test_a_failed_step_is_a_500_and_the_server_goes_on(text_model):
 
     try:
         asyncio.run(requests())
+        # the first prompt of the refused pair was taken back; each fault logged with its trace
+        assert not engine.llm.has_unfinished_requests()
+        logged = [r for r in caplog.records if r.name == "nanograph.serve" and r.exc_info]
+        assert len(logged) == 4 and "SafetensorError" in caplog.text
     finally:
         engine.stop()
         engine.thread.join(timeout=30)
     assert not engine.thread.is_alive() and engine.error is None
+
+
+# `python -m nanograph.serve`, with an LLM whose steps fail and close it (as a tensor-parallel
+# worker's death does): the engine cannot go on
+BROKEN_ENGINE = """
+import sys
+import nanograph.serve.engine_thread as engine_thread
+from nanograph.serve.cli import main
+
+
+class BrokenLLM(engine_thread.LLM):
+    def step(self):
+        self.close()
+        raise RuntimeError("the worker died")
+
+
+engine_thread.LLM = BrokenLLM
+main(sys.argv[1:])
+"""
+
+
+def test_an_engine_that_cannot_go_on_ends_the_process_non_zero(text_model, tmp_path):
+    server = Server(text_model("qwen3"), as_flags(KNOBS), tmp_path / "log",
+                    start=("-c", BROKEN_ENGINE))
+    try:
+        server.wait_ready()
+        failed = httpx.post(server.url + "/v1/completions", json={"prompt": "hi"})
+        assert failed.status_code == 500 and "the worker died" in failed.text
+        assert server.proc.wait(timeout=15) == 1
+        assert "nanograph-serve: the engine failed" in server.log()
+    finally:
+        server.stop()
+
+
+def test_start_up_errors_exit_at_once_before_the_engine_starts(text_model, lora, tmp_path):
+    """A port in use, a missing or damaged LoRA module: a clear message, a failed exit at once,
+    before the engine starts."""
+    damaged = tmp_path / "damaged"
+    shutil.copytree(lora.path, damaged)
+    (damaged / "adapter_model.safetensors").write_bytes(b"\xff" * 64)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        for flags, why in ((["--port", port], "address already in use"),
+                           (["--lora-modules", f"gone={tmp_path / 'gone'}"], "not found"),
+                           (["--lora-modules", f"bad={damaged}"], "damaged")):
+            command = [sys.executable, "-m", "nanograph.serve", text_model("qwen3"),
+                       *as_flags(KNOBS), *flags]
+            done = subprocess.run(command, env=server_env(), capture_output=True, text=True,
+                                  timeout=120)
+            # (3: uvicorn's exit status for a start-up failure; not 134, an abort)
+            assert done.returncode in (1, 3) and why in done.stderr.lower(), done.stderr
+            assert "engine ready" not in done.stderr
+
+
+def test_shell_refuses_a_model_without_a_chat_template(text_model, tmp_path):
+    shutil.copytree(text_model("qwen3"), tmp_path / "plain")
+    (tmp_path / "plain" / "chat_template.jinja").unlink()
+    command = [sys.executable, "-m", "nanograph.serve", str(tmp_path / "plain"), "--shell",
+               *as_flags(KNOBS)]
+    done = subprocess.run(command, input="hello\n", env=server_env(), capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 1 and "--shell needs a chat template" in done.stderr
+    assert "> " not in done.stdout
 
 
 def test_shell_chats_in_the_terminal(text_model, tmp_path):
@@ -580,15 +725,19 @@ def test_shell_chats_in_the_terminal(text_model, tmp_path):
 
 
 def test_sigterm_stops_the_server_within_seconds(server):
-    """Last: it stops the module's server. An open stream ends with an error event."""
-    body = {"model": MODEL, "prompt": "hello", "max_tokens": 240, "ignore_eos": True,
-            "stream": True}
-    with httpx.stream("POST", server.url + "/v1/completions", json=body) as r:
-        lines = r.iter_lines()
-        next(lines)
-        start = time.monotonic()
-        server.proc.send_signal(signal.SIGTERM)
-        rest = [line for line in lines if line]
+    """Last: it stops the module's server. An open stream ends with an error event, a request
+    waiting for its whole answer gets a 503."""
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 240, "ignore_eos": True}
+    with ThreadPoolExecutor(1) as pool:
+        whole = pool.submit(httpx.post, server.url + "/v1/completions", json=body, timeout=30)
+        with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}) as r:
+            lines = r.iter_lines()
+            next(lines)
+            assert wait_until(lambda: server.metrics()["nanograph:num_requests_running"] == 2)
+            start = time.monotonic()
+            server.proc.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line]
+        assert whole.result().status_code == 503
     assert "shutting down" in rest[-2] and rest[-1] == "data: [DONE]"
     server.proc.wait(timeout=10)
     assert time.monotonic() - start < 5
