@@ -600,7 +600,7 @@ def test_a_fault_at_intake_or_in_a_step_is_a_500_and_the_server_goes_on(text_mod
     from safetensors import SafetensorError
     from nanograph.serve.api import create_app
     from nanograph.serve.engine_thread import EngineThread
-    engine = EngineThread(text_model("qwen3"), KNOBS)
+    engine = EngineThread(text_model("qwen3"), KNOBS, MODEL)
     engine.thread.start()
     assert engine.wait_ready()
     launch, failures = engine.llm.runner.launch, [RuntimeError("device on fire")] * 2

@@ -36,7 +36,7 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from nanograph import LoRARequest
 from nanograph.serve.engine_thread import EngineError, EngineThread, Job
-from nanograph.serve.protocol import ChatRequest, CompletionRequest
+from nanograph.serve.protocol import ChatRequest, CompletionRequest, StreamOptions
 
 TOKENIZE_IN_THREAD_BYTES = 65536   # a body this large is tokenized in a worker thread
 BYTE_OF_CHAR = {char: byte for byte, char in bytes_to_unicode().items()}  # byte-level BPE's map
@@ -64,11 +64,10 @@ def create_app(engine: EngineThread, served_model: str, loras: dict[str, LoRAReq
         return APIError(error.status, str(error)).response
 
     @app.exception_handler(HTTPException)  # Starlette's own: an unknown path, a wrong method
-    async def http_error(request: Request, error: HTTPException):
-        return APIError(error.status_code, error.detail).response
-
     @app.exception_handler(Exception)  # a fault (Starlette logs its traceback after this)
-    async def fault(request: Request, error: Exception):
+    async def other_error(request: Request, error: Exception):
+        if isinstance(error, HTTPException):
+            return APIError(error.status_code, error.detail).response
         return APIError(500, f"internal error: {error!r}").response
 
     @app.exception_handler(ValidationError)
@@ -114,12 +113,11 @@ def create_app(engine: EngineThread, served_model: str, loras: dict[str, LoRAReq
         return loras[model]
 
     async def read_body(request: Request) -> bytes:
-        """The body; a 413 as soon as it is known to be over the limit (before reading it all)."""
-        declared = int(request.headers.get("content-length") or 0)
+        """The body; a 413 once it is past the limit (the rest is never read)."""
         body = bytearray()
         async for chunk in request.stream():
             body += chunk
-            if max(declared, len(body)) > max_body_bytes:
+            if len(body) > max_body_bytes:
                 raise APIError(413, f"the request body is over {max_body_bytes} bytes "
                                     "(the server's --max-request-body-bytes)")
         return bytes(body)
@@ -140,10 +138,7 @@ def create_app(engine: EngineThread, served_model: str, loras: dict[str, LoRAReq
             await anext(outputs)  # the engine has taken them
         except ValueError as e:
             raise APIError(400, str(e)) from None
-        echo = None
-        if kind is CompletionRequest and body.echo:  # each prompt's text, for the answer
-            decode = engine.tokenizer.decode if engine.tokenizer else lambda ids: ""
-            echo = [p if isinstance(p, str) else decode(p) for p in body.prompts()]
+        echo = body.prompts() if kind is CompletionRequest and body.echo else None
         reply = Reply(kind is ChatRequest, body.model or served_model, engine.tokenizer,
                       params.logprobs, params.n, echo)
         # The client's leaving ends its outputs (their finally aborts the request): once the body
@@ -152,11 +147,11 @@ def create_app(engine: EngineThread, served_model: str, loras: dict[str, LoRAReq
         gone = asyncio.ensure_future(request.receive())
         gone.add_done_callback(lambda _: queue.put_nowait((0, ClientGone("the client left"))))
         if body.stream:
-            return EventStream(reply.events(outputs, body.stream_options))
-        last = {}  # each prompt's last step dict
+            return EventStream(reply.events(outputs, body.stream_options or StreamOptions()))
+        last = [None] * len(jobs)  # each prompt's last step dict
         async for index, out in outputs:
             last[index] = out
-        return JSONResponse(reply.whole([last[index] for index in range(len(jobs))]))
+        return JSONResponse(reply.whole(last))
 
     # (plain Starlette routes: the module docstring says why)
     app.add_route("/v1/completions", partial(generate, CompletionRequest), methods=["POST"])
@@ -183,10 +178,10 @@ class Reply:
     """How one request's answer is worded: OpenAI's completion or chat format, whole or streamed."""
     chat: bool
     model: str
-    tokenizer: object        # for the logprobs' token strings; None: "token_id:N"
+    tokenizer: object        # for the logprobs' token strings (None: "token_id:N")
     top_logprobs: int | None
     n: int                   # completions per prompt
-    echo: list[str] | None   # completions' echo: each prompt's text, before its choices' text
+    echo: list[str | list[int]] | None  # completions' echo: the prompts, before their choices
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -205,7 +200,7 @@ class Reply:
                             for i, c in enumerate(out["outputs"])],
                 "usage": usage(outs)}
 
-    async def events(self, outputs, options):
+    async def events(self, outputs, options: StreamOptions):
         """Server-sent events: chunks as the steps come (with usage on each if
         `continuous_usage_stats`), a usage chunk if `include_usage`, then `data: [DONE]`."""
         sent = {}  # prompt index -> the step dict its chunks so far came from
@@ -216,11 +211,11 @@ class Reply:
                     chunk = {**self.head(stream=True),
                              "choices": [self.choice(index * self.n + i, new, out, stream=True,
                                                      first=first)]}
-                    if options and options.continuous_usage_stats:
+                    if options.continuous_usage_stats:
                         chunk["usage"] = usage({**sent, index: out}.values())
                     yield sse(chunk)
                 sent[index] = out
-            if options and options.include_usage:
+            if options.include_usage:
                 yield sse({**self.head(stream=True), "choices": [], "usage": usage(sent.values())})
         except EngineError as e:  # the status line has gone: the error is an event
             yield sse(APIError(e.status, str(e)).body)
@@ -228,9 +223,11 @@ class Reply:
 
     def choice(self, index: int, c: dict, out: dict, stream: bool, first: bool) -> dict:
         """Completion dict `c` of step dict `out` (whole, or its new part) as choice `index`."""
-        text, token_ids, tops = c["text"] or "", c["token_ids"], c["logprobs"]  # (text None:
-        if self.echo is not None and first:  # no tokenizer) echo: the prompt goes first
-            text = self.echo[index // self.n] + text
+        text = c["text"] or ""  # (None: the model has no tokenizer)
+        token_ids, tops = c["token_ids"], c["logprobs"]
+        if self.echo is not None and first:  # echo: the prompt goes first
+            prompt = self.echo[index // self.n]
+            text = (prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)) + text
             token_ids = out["prompt_token_ids"] + token_ids
             tops = None if tops is None else out["prompt_logprobs"] + tops
         message = {"role": "assistant", "content": text}
@@ -272,8 +269,6 @@ class Reply:
     def entry(self, token_id: int, logprob: float | None) -> dict:
         """A token's text and bytes: a piece of a character (a byte-level token) is its bytes,
         and its text names them (OpenAI's "bytes:\\xe6")."""
-        if self.tokenizer is None:
-            return {"token": f"token_id:{token_id}", "logprob": logprob, "bytes": None}
         data = token_bytes(self.tokenizer, token_id)
         try:
             text = data.decode()
@@ -286,6 +281,8 @@ def token_bytes(tokenizer, token_id: int) -> bytes:
     """The bytes a token stands for. Decoded alone, a token that holds part of a character is
     U+FFFD; its bytes are then in its vocabulary entry: `<0xE6>` (SentencePiece's byte fallback),
     or one character a byte (byte-level BPE's map)."""
+    if tokenizer is None:  # (the model has none)
+        return f"token_id:{token_id}".encode()
     text = tokenizer.decode([token_id])
     if "\ufffd" not in text:
         return text.encode()
@@ -317,7 +314,6 @@ def deltas(sent: dict | None, out: dict):
 
 def usage(outs) -> dict:
     """Token counts over step dicts `outs` (a request's prompts)."""
-    outs = list(outs)
     prompt = sum(len(out["prompt_token_ids"]) for out in outs)
     completion = sum(len(c["token_ids"]) for out in outs for c in out["outputs"])
     return {"prompt_tokens": prompt, "completion_tokens": completion,

@@ -102,7 +102,7 @@ def main(argv=None):
         # (a request still open 5 s after shutdown began is cancelled)
         server = Server(uvicorn.Config(app, host=args.host, port=args.port,
                                        timeout_graceful_shutdown=5))
-        port = server.config.bind_socket()  # in use: uvicorn says so and exits 1
+        port = server.config.bind_socket()  # in use: uvicorn says so and exits (3)
         server.engine = engine
         engine.on_exit = lambda: setattr(server, "should_exit", True)
         run = partial(server.run, sockets=[port])

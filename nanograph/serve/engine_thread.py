@@ -24,11 +24,13 @@ logger = logging.getLogger("nanograph.serve")
 
 
 class EngineError(RuntimeError):
-    """The engine could not finish a request: a fault (500), or the server stopping (503)."""
+    """The engine could not finish a request: a fault (its answer is a 500)."""
+    status = 500
 
-    def __init__(self, message: str, status: int = 500):
-        super().__init__(message)
-        self.status = status
+
+class EngineStopped(EngineError):
+    """The engine stopped (the server shuts down, or the engine failed) with the request open."""
+    status = 503
 
 
 @dataclass
@@ -53,12 +55,12 @@ class Job:
 
 
 class EngineThread:
-    def __init__(self, model: str, knobs: dict, served_model: str | None = None):
+    def __init__(self, model: str, knobs: dict, served_model: str):
         self.inbox = queue.Queue()
         self.ready = threading.Event()   # set once the LLM is built and its graphs captured
         self.error = None                # why the engine stopped, if it failed
         self.on_exit = lambda: None      # called when the thread ends (the server exits then)
-        self.metrics = Metrics(served_model or model)
+        self.metrics = Metrics(served_model)
         self.llm = None
         self.tokenizer = None            # the event loop's own copy (prompts, logprobs' tokens)
         self.jobs = {}                   # Job by request id, until their finished dict
@@ -112,7 +114,7 @@ class EngineThread:
             self.error = f"the engine failed: {e!r}"
         finally:  # /health fails first; every request still open is cut off with a 503
             self.ready.clear()
-            error = EngineError(self.error or "the server is shutting down", status=503)
+            error = EngineStopped(self.error or "the server is shutting down")
             while not self.inbox.empty():
                 kind, jobs = self.inbox.get()
                 if kind == "add":

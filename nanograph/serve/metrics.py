@@ -30,9 +30,8 @@ class Metrics:
         self.model_name = model_name
 
         def make(kind, name: str, doc: str, **kwargs):
-            metric = kind(f"nanograph:{name}", doc, ["model_name"], registry=self.registry,
-                          **kwargs)
-            return metric.labels(model_name)
+            return kind(f"nanograph:{name}", doc, ["model_name"], registry=self.registry,
+                        **kwargs).labels(model_name)
 
         self.ttft = make(Histogram, "time_to_first_token_seconds", "Time to first token",
                          buckets=LATENCY_BUCKETS)
@@ -72,9 +71,10 @@ class Metrics:
             job.num_tokens = num_tokens
             job.last_token_time = now
         if out["finished"]:
+            num_prompt_tokens = len(out["prompt_token_ids"])
             self.e2e.observe(now - job.arrival)
-            self.prompt_tokens.inc(len(out["prompt_token_ids"]))
-            self.request_prompt_tokens.observe(len(out["prompt_token_ids"]))
+            self.prompt_tokens.inc(num_prompt_tokens)
+            self.request_prompt_tokens.observe(num_prompt_tokens)
             self.request_generation_tokens.observe(num_tokens)
             for completion in out["outputs"]:
                 self.success.labels(self.model_name, completion["finish_reason"]).inc()

@@ -16,7 +16,7 @@ from dataclasses import fields
 from typing import Literal
 
 from jinja2 import TemplateError
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
 
 from nanograph import SamplingParams
 
@@ -65,15 +65,12 @@ class Body(Strict):
             raise ValueError("stream_options is only allowed with stream: true")
         prompts = self.prompt_ids(tokenizer)
         longest = max(map(len, prompts))
-        if longest >= max_model_len:
-            raise ValueError(f"This model's maximum context length is {max_model_len} tokens, "
-                             f"and the prompt has {longest}: no room to generate")
         room = max_model_len - longest
-        if self.max_tokens is not None and self.max_tokens > room:
-            raise ValueError(f"This model's maximum context length is {max_model_len} tokens: "
-                             f"max_tokens={self.max_tokens} after a prompt of {longest} tokens "
-                             f"asks for {self.max_tokens - room} too many")
         max_tokens = room if self.max_tokens is None else self.max_tokens
+        if room < 1 or max_tokens > room:  # (OpenAI's words)
+            raise ValueError(f"This model's maximum context length is {max_model_len} tokens. "
+                             f"However, you requested {longest} tokens in the prompt and "
+                             f"max_tokens={self.max_tokens} for the completion")
         same = self.model_dump(include=SAMPLING_FIELDS)
         return SamplingParams(**same, **self.logprobs_params(), max_tokens=max_tokens), prompts
 
@@ -111,12 +108,13 @@ class Message(Strict):
     content: str | list[TextPart] | None   # (None: an assistant's turn of tool calls only)
     name: str | None = None
 
-    def as_dict(self) -> dict:
-        """For the chat template: the text parts joined by newlines (as vLLM does)."""
-        content = self.content or ""
+    @field_validator("content")
+    @classmethod
+    def text(cls, content):
+        """For the chat template, text: the parts joined by newlines (as vLLM does)."""
         if isinstance(content, list):
-            content = "\n".join(part.text for part in content)
-        return {**self.model_dump(exclude_none=True), "content": content}
+            return "\n".join(part.text for part in content)
+        return content or ""
 
 
 class ChatRequest(Body):
@@ -137,7 +135,8 @@ class ChatRequest(Body):
         if not getattr(tokenizer, "chat_template", None):  # (no tokenizer: None has none)
             raise ValueError("this model has no chat template: use /v1/completions")
         try:
-            text = tokenizer.apply_chat_template([message.as_dict() for message in self.messages],
+            messages = [message.model_dump(exclude_none=True) for message in self.messages]
+            text = tokenizer.apply_chat_template(messages,
                                                  tokenize=False,
                                                  add_generation_prompt=True,
                                                  **(self.chat_template_kwargs or {}))
