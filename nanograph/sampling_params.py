@@ -1,10 +1,10 @@
 """Per-request sampling settings, vLLM's names and meanings, validated when the request is made.
 
-Each field is checked for its type as well as its range, a ValueError naming the field: NaN
-fails every comparison, so a bare `temperature < 0` lets it through; a float count
-(`max_tokens=2.5`), a string (`temperature="0.7"`) or a negative stop id would not fail here but
-somewhere deep in the engine; and `ignore_eos="no"` would be true. Whether the stop ids are inside the
-vocabulary is checked at request intake (llm.py), where the vocabulary is known.
+Each field is checked for its type as well as its range, a ValueError naming the field: NaN fails
+every comparison, so a bare `temperature < 0` lets it through; a float count (`max_tokens=2.5`), a
+string (`temperature="0.7"`) or a negative stop id would not fail here but somewhere deep in the
+engine; and `ignore_eos="no"` would be true. Whether the stop ids are inside the vocabulary is
+checked at request intake (llm.py), where the vocabulary is known.
 """
 import math
 from dataclasses import dataclass

@@ -22,8 +22,9 @@ its inbox while nothing is unfinished, so an idle server costs nothing; while re
 takes what has arrived between two steps without waiting. The first thing a request's queue
 receives is that its jobs were taken, or the error that refused them (a ValueError: its 400;
 anything else: its 500, logged; the engine goes on): the handler learns whether the request is
-valid before it answers, so a bad request is a 400, never a stream that starts and then fails. After that come the step dicts, whose `text` and
-`token_ids` are the whole completion so far; a stream sends what is new since the last chunk.
+valid before it answers, so a bad request is a 400, never a stream that starts and then fails.
+After that come the step dicts, whose `text` and `token_ids` are the whole completion so far; a
+stream sends what is new since the last chunk.
 
 The two threads share the GIL, and the engine thread is busy in Python for much of a step
 (scheduling, launching, reading the sampled tokens): the event loop runs where the engine thread

@@ -250,8 +250,9 @@ class Reply:
         sampled = [self.entry(t, top and top[t]) for t, top in zip(token_ids, tops)]
         ranked = [top and sorted(top.items(), key=lambda tp: -tp[1]) for top in tops]
         if self.chat:
-            return {"content": [{**entry,
-                                 "top_logprobs": [self.entry(*tp) for tp in best[:self.top_logprobs]]}
+            return {"content": [{**entry, "top_logprobs": [self.entry(token_id, logprob)
+                                                           for token_id, logprob
+                                                           in best[:self.top_logprobs]]}
                                 for entry, best in zip(sampled, ranked)]}
         return {"tokens": [entry["token"] for entry in sampled],
                 "token_logprobs": [entry["logprob"] for entry in sampled],
