@@ -1,16 +1,25 @@
 """Engine knobs, validated once, before any weight is loaded.
 
-The defaults follow vLLM / nano-vllm. Everything derived from them (device, dtype, the HF model
-config, the effective max_model_len) is computed here too, so the rest of the engine reads
-plain, checked values.
+The defaults follow vLLM / nano-vllm, and so do the names (vLLM's `block_size` is accepted for
+`kvcache_block_size`). Everything derived from them (device, dtype, the HF model config, the
+effective max_model_len) is computed here too, so the rest of the engine reads plain, checked
+values. A bad knob is a ValueError that names it.
 """
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig
 
+from nanograph.sampling_params import is_int, is_number
 from nanograph.utils.loader import resolve_model_dir
+
+DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16,
+          "half": torch.float16, "bfloat16": torch.bfloat16}
+COUNTS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_num_mixed_tokens",
+          "kvcache_block_size", "tensor_parallel_size", "max_loras", "max_lora_rank", "seed")
+OPTIONAL_COUNTS = ("num_kvcache_blocks", "cuda_graph_max_bs")  # (None: sized from memory)
 
 
 @dataclass
@@ -38,11 +47,21 @@ class Config:
     enable_lora: bool = False
     max_loras: int = 4                         # adapters resident at once (GPU slots)
     max_lora_rank: int = 64
+    block_size: int | None = None              # vLLM's name for kvcache_block_size
     # and, derived in __post_init__:
     # model_dir (str), hf_config (the HF PretrainedConfig), torch_dtype, kv_cache_torch_dtype
 
     def __post_init__(self):
+        if self.block_size is not None:
+            self.kvcache_block_size = self.block_size
+        self.block_size = self.kvcache_block_size
+        for name in COUNTS + OPTIONAL_COUNTS:
+            value = getattr(self, name)
+            if not is_int(value) and not (value is None and name in OPTIONAL_COUNTS):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
         self.device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device={self.device!r}, but CUDA is not available here")
         for name, allowed in (("load_format", ("auto", "dummy")),
                               ("kv_cache_dtype", ("auto", "fp8")),
                               ("attention_backend", ("auto", "flash_attn", "triton", "torch"))):
@@ -57,7 +76,7 @@ class Config:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
-        if not 0 < self.gpu_memory_utilization <= 1:
+        if not is_number(self.gpu_memory_utilization) or not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.attention_backend == "flash_attn" and bs != 256:
@@ -69,6 +88,12 @@ class Config:
             raise ValueError("cuda_graph_sizes must be a non-empty list of sizes >= 1, "
                              f"got {self.cuda_graph_sizes}")
         cuda = self.device.startswith("cuda")
+        # off CUDA, Triton runs only in its interpreter (the tests')
+        interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+        needs_cuda = ("flash_attn",) if interpreted else ("flash_attn", "triton")
+        if not cuda and self.attention_backend in needs_cuda:
+            raise ValueError(f"attention_backend={self.attention_backend!r} needs CUDA, and "
+                             f"device={self.device!r}: use 'torch' (or 'auto')")
         # triton measured at least as fast as flash_attn (layers/attention.py)
         if self.attention_backend == "auto":
             self.attention_backend = "triton" if cuda else "torch"
@@ -91,7 +116,7 @@ class Config:
                 or getattr(self.hf_config, "torch_dtype", None)
             half = dtype if dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
             return half if self.device.startswith("cuda") else torch.float32
-        dtype = getattr(torch, str(self.dtype).replace("torch.", ""), None)
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"dtype {self.dtype!r} is not a torch dtype")
+        dtype = DTYPES.get(str(self.dtype).replace("torch.", ""))
+        if dtype is None:
+            raise ValueError(f"dtype must be 'auto' or one of {tuple(DTYPES)}, got {self.dtype!r}")
         return dtype

@@ -1,13 +1,14 @@
 """Per-request sampling settings, vLLM's names and meanings, validated when the request is made.
 
-Each field is checked for its type as well as its range: NaN fails every comparison, so a bare
-`temperature < 0` lets it through, and a float count (`max_tokens=2.5`) or a negative stop id
-would not fail here but somewhere deep in the engine. Whether the stop ids are inside the
-vocabulary is checked at request intake (llm.py), where the vocabulary is known.
+Each field is checked for its type as well as its range, a ValueError naming the field: NaN fails
+every comparison, so a bare `temperature < 0` lets it through; a float count (`max_tokens=2.5`), a
+string (`temperature="0.7"`) or a negative stop id would not fail here but somewhere deep in the
+engine; and `ignore_eos="no"` would be true. Whether the stop ids are inside the vocabulary is
+checked at request intake (llm.py), where the vocabulary is known.
 """
 import math
 from dataclasses import dataclass
-from numbers import Integral
+from numbers import Integral, Real
 
 
 def is_int(value):
@@ -15,12 +16,25 @@ def is_int(value):
     return isinstance(value, Integral) and not isinstance(value, bool)
 
 
+def is_number(value):
+    return isinstance(value, Real) and not isinstance(value, bool)
+
+
+# each field's type: (the fields, their test, the words for it)
+FIELD_TYPES = ((("temperature", "top_p"), is_number, "a number"),
+               (("top_k", "n", "min_tokens"), is_int, "an integer"),
+               (("max_tokens", "seed", "logprobs", "prompt_logprobs"),
+                lambda value: value is None or is_int(value), "an integer or None"),
+               (("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"),
+                lambda value: isinstance(value, bool), "True or False"))
+
+
 @dataclass
 class SamplingParams:
     temperature: float = 1.0       # 0 = greedy
     top_p: float = 1.0             # keep the smallest set of tokens whose probability reaches top_p
     top_k: int = -1                # keep the k most likely tokens; -1 = all
-    max_tokens: int = 64
+    max_tokens: int | None = 64    # None: up to the context (max_model_len)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     # own random stream: same output whatever the batch (n > 1: seed + i)
@@ -29,17 +43,15 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     n: int = 1                     # completions of the prompt; the prompt is computed once
     logprobs: int | None = None    # per token: the sampled token's log-probability and the top N's
-    prompt_logprobs: int | None = None  # per prompt token: its log-probability and the top N's
+    prompt_logprobs: int | None = None  # per prompt token (the first: None): its own and the top N
     min_tokens: int = 0            # EOS and the stop ids are masked until this many tokens
     skip_special_tokens: bool = True
 
     def __post_init__(self):
-        for name in ("top_k", "max_tokens", "seed", "n", "logprobs", "prompt_logprobs",
-                     "min_tokens"):
-            value = getattr(self, name)
-            optional = ("seed", "logprobs", "prompt_logprobs")
-            if not is_int(value) and not (name in optional and value is None):
-                raise ValueError(f"{name} must be an integer, got {value!r}")
+        for names, test, kind in FIELD_TYPES:
+            for name in names:
+                if not test(getattr(self, name)):
+                    raise ValueError(f"{name} must be {kind}, got {getattr(self, name)!r}")
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be >= 0 and finite, got {self.temperature}")
         if not 0 < self.top_p <= 1:  # also false for NaN
@@ -48,9 +60,9 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
         for name, low in (("max_tokens", 1), ("n", 1), ("logprobs", 0), ("prompt_logprobs", 0),
                           ("min_tokens", 0)):
-            if (getattr(self, name) or 0) < low:
+            if getattr(self, name) is not None and getattr(self, name) < low:
                 raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")
-        if self.min_tokens > self.max_tokens:
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens ({self.min_tokens}) is above max_tokens ({self.max_tokens})")
         ids = self.stop_token_ids

@@ -62,6 +62,23 @@ def test_finish_and_stop_reasons(text_model):
     assert out["token_ids"][-1] == stop_id
 
 
+def test_a_stop_tokens_text_is_left_out_unless_asked(text_model):
+    """vLLM's rule: a completion that ends on a stop id (or EOS, special tokens not skipped)
+    has that token in token_ids, its text in text only with include_stop_str_in_output."""
+    llm = engine(text_model())
+    free = llm.generate([PROMPT], greedy(12), use_tqdm=False)[0]
+    stop_id = free["token_ids"][4]
+    for include in (False, True):
+        for params in (greedy(12, stop_token_ids=[stop_id], include_stop_str_in_output=include),
+                       SamplingParams(temperature=0, max_tokens=12, skip_special_tokens=False,
+                                      include_stop_str_in_output=include)):
+            llm.eos_ids = frozenset() if params.stop_token_ids else frozenset({stop_id})
+            out = llm.generate([PROMPT], params, use_tqdm=False)[0]
+            ids = out["token_ids"]
+            assert ids[-1] == stop_id and out["finish_reason"] == "stop"
+            assert out["text"] == llm.tokenizer.decode(ids if include else ids[:-1])
+
+
 def test_min_tokens_masks_eos_and_stop_ids_like_hf(tiny_model):
     path = tiny_model("qwen3")
     prompt = random_prompts([10], seed=5)[0]

@@ -1,5 +1,6 @@
 """Bad input gets a ValueError naming the request and the reason, before any work; the engine stays usable."""
 import pytest
+import torch
 
 from nanograph import LLM, SamplingParams
 
@@ -49,6 +50,46 @@ def test_unknown_model_path_and_bad_knobs(tmp_path, tiny_model):
         LLM(tiny_model("qwen3"), max_lora_rank=0)
 
 
+@pytest.mark.parametrize("knobs, message", [
+    (dict(max_model_len="big"), "max_model_len must be an integer, got 'big'"),
+    (dict(num_kvcache_blocks=2.5), "num_kvcache_blocks must be an integer"),
+    (dict(dtype="int8"), "dtype must be 'auto' or one of"),
+    (dict(gpu_memory_utilization="0.9"), "gpu_memory_utilization must be in"),
+    (dict(device="cuda"), "device='cuda', but CUDA is not available"),
+    (dict(attention_backend="triton"), "attention_backend='triton' needs CUDA"),
+    (dict(attention_backend="flash_attn"), "attention_backend='flash_attn' needs CUDA"),
+])
+def test_bad_knobs_are_value_errors_naming_them(tiny_model, monkeypatch, knobs, message):
+    if torch.cuda.is_available() and ("device" in knobs or "attention_backend" in knobs):
+        pytest.skip("CUDA is here")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # (set by conftest for the kernels)
+    with pytest.raises(ValueError, match=message):
+        LLM(tiny_model("qwen3"), **knobs)
+
+
+def test_vllms_block_size_is_kvcache_block_size(tiny_model):
+    llm = LLM(tiny_model("qwen3"), block_size=16, num_kvcache_blocks=8, max_model_len=64)
+    assert llm.config.kvcache_block_size == llm.block_manager.block_size == 16
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)
+    assert len(out[0]["token_ids"]) == 20  # over more than one block
+
+
+@pytest.mark.parametrize("kwargs", [dict(temperature="0.7"), dict(temperature=None),
+                                    dict(top_p="0.5"), dict(ignore_eos="no"),
+                                    dict(skip_special_tokens=None), dict(n="2"),
+                                    dict(include_stop_str_in_output=1),
+                                    dict(prompt_logprobs=-1), dict(prompt_logprobs=1.5)])
+def test_sampling_params_check_every_fields_type(kwargs):
+    (name, value), = kwargs.items()
+    with pytest.raises(ValueError, match=f"^{name} must be"):
+        SamplingParams(**kwargs)
+
+
+def test_sampling_params_take_max_tokens_none_and_prompt_logprobs():
+    params = SamplingParams(max_tokens=None, min_tokens=5, prompt_logprobs=3)
+    assert params.max_tokens is None and params.prompt_logprobs == 3
+
+
 def test_flash_attn_needs_block_size_256(tiny_model):
     with pytest.raises(ValueError, match="flash_attn' needs kvcache_block_size=256"):
         LLM(tiny_model("qwen3"), attention_backend="flash_attn", kvcache_block_size=16)
@@ -66,11 +107,11 @@ def test_generate_after_close_is_a_clear_error(tiny_model):
     (dict(temperature=float("inf")), "temperature must be >= 0 and finite, got inf"),
     (dict(top_p=float("nan")), "top_p must be in"),
     (dict(top_p=float("inf")), "top_p must be in"),
-    (dict(max_tokens=2.5), "max_tokens must be an integer, got 2.5"),
-    (dict(max_tokens=True), "max_tokens must be an integer, got True"),
+    (dict(max_tokens=2.5), "max_tokens must be an integer or None, got 2.5"),
+    (dict(max_tokens=True), "max_tokens must be an integer or None, got True"),
     (dict(top_k=1.5), "top_k must be an integer, got 1.5"),
-    (dict(seed=1.5), "seed must be an integer, got 1.5"),
-    (dict(seed="7"), "seed must be an integer, got '7'"),
+    (dict(seed=1.5), "seed must be an integer or None, got 1.5"),
+    (dict(seed="7"), "seed must be an integer or None, got '7'"),
     (dict(stop_token_ids=[-3]), "stop_token_ids must be a list of token ids >= 0, got \\[-3\\]"),
     (dict(stop_token_ids=[2.0]), "stop_token_ids must be a list"),
     (dict(stop_token_ids=7), "stop_token_ids must be a list"),

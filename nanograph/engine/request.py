@@ -14,6 +14,10 @@ finishes the completion as EOS would (llm.py frees it; a token computed one step
 overlap scheduling is dropped). Text given out while a completion runs never changes afterwards:
 the last `max(len(stop)) - 1` characters, which may be the start of a stop string, are held back
 until more text shows they are not.
+
+A completion that ends on a stop token (a stop id, or EOS when special tokens are not skipped)
+keeps that token in `token_ids` but not its text in `text`, unless `include_stop_str_in_output`
+(vLLM's rule): its last token is not fed to the detokenizer.
 """
 from tokenizers.decoders import DecodeStream
 
@@ -70,8 +74,10 @@ class Request:
             return None
         detokenizer = self.detokenizers[self.seqs.index(seq)]
         tokens = seq.completion_token_ids
-        piece = detokenizer.feed(tokens[detokenizer.num_fed:])
         params = seq.params
+        if seq.finish_reason == "stop" and not params.include_stop_str_in_output:
+            tokens = tokens[:-1]  # it ended on a stop token (a stop string is found below)
+        piece = detokenizer.feed(tokens[detokenizer.num_fed:])
         if not params.stop or not piece or len(tokens) < params.min_tokens:
             return None
         found = find_stop(detokenizer.text, len(piece), params.stop)

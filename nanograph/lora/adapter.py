@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 import xxhash
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 # PEFT's names of a decoder layer's linear modules
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -74,7 +74,12 @@ def read_adapter(request: LoRARequest, hf, max_rank, where="") -> Adapter:
     for file in ("adapter_config.json", "adapter_model.safetensors"):
         if not (folder / file).is_file():
             fail(f"{file} not found")
-    cfg = json.loads((folder / "adapter_config.json").read_text())
+    try:
+        cfg = json.loads((folder / "adapter_config.json").read_text())
+    except ValueError as e:  # (bad JSON, bad UTF-8)
+        fail(f"adapter_config.json is not valid JSON: {e}")
+    if not isinstance(cfg, dict):
+        fail("adapter_config.json is not a JSON object")
     if cfg.get("peft_type", "LORA") != "LORA" or cfg.get("bias", "none") != "none":
         fail("only plain LoRA without bias is supported "
              f"(peft_type {cfg.get('peft_type')}, bias {cfg.get('bias')})")
@@ -86,7 +91,11 @@ def read_adapter(request: LoRARequest, hf, max_rank, where="") -> Adapter:
     if not 1 <= rank <= max_rank:
         fail(f"rank {rank} is above max_lora_rank={max_rank}")
     shapes, pairs = module_shapes(hf), set()
-    with safe_open(str(folder / "adapter_model.safetensors"), framework="pt") as f:
+    try:
+        tensors = safe_open(str(folder / "adapter_model.safetensors"), framework="pt")
+    except SafetensorError as e:
+        fail(f"adapter_model.safetensors is damaged: {e}")
+    with tensors as f:
         for name in f.keys():
             match = TENSOR_NAME.fullmatch(name)
             if not match or match[3] not in TARGETS or int(match[2]) >= hf.num_hidden_layers:

@@ -3,6 +3,10 @@
 Every field of nanograph.config.Config is a flag, made from the dataclass (`max_model_len` ->
 `--max-model-len`, a bool -> `--enforce-eager` / `--no-enforce-eager`, a list -> several
 values); one not given is not passed, so the LLM's own default holds.
+
+What can be checked before the engine starts is checked first, each a clear error and a non-zero
+exit: the knobs (a Config is made from them), the LoRA modules (each adapter read against the
+model's config) and the port (bound here, then handed to uvicorn).
 """
 import argparse
 import asyncio
@@ -17,6 +21,7 @@ from functools import partial
 import uvicorn
 
 from nanograph import LoRARequest
+from nanograph.lora.adapter import read_adapter
 from nanograph.config import Config
 from nanograph.serve.api import create_app
 from nanograph.serve.data_parallel import ROUTER_POLICIES, serve_replicas
@@ -53,6 +58,8 @@ def parse_args(argv):
                         help="replicas of the engine behind the smg router on --port")
     parser.add_argument("--router-policy", default="cache_aware", choices=ROUTER_POLICIES,
                         help="smg's routing policy (with --data-parallel-size > 1)")
+    parser.add_argument("--max-request-body-bytes", type=int, default=4 << 20,
+                        help="a larger request body is refused at once (413)")
     engine_flags = parser.add_argument_group("engine knobs (nanograph.LLM's)")
     knobs = [knob for knob in dataclasses.fields(Config) if knob.name != "model"]
     for knob in knobs:
@@ -85,17 +92,27 @@ class Server(uvicorn.Server):
 def main(argv=None):
     args, knobs, loras = parse_args(argv)
     logging.basicConfig(level=logging.INFO)
+    try:
+        config = Config(args.model, **knobs)
+        for lora in loras.values():
+            read_adapter(lora, config.hf_config, config.max_lora_rank, "--lora-modules: ")
+    except ValueError as e:
+        sys.exit(f"nanograph-serve: {e}")
     if args.data_parallel_size > 1:
         return serve_replicas(args, knobs, sys.argv[1:] if argv is None else argv)
-    engine = EngineThread(args.model, knobs)
+    served_model = args.served_model_name or args.model
+    engine = EngineThread(args.model, knobs, served_model)
     if args.shell:
         run = partial(asyncio.run, chat_shell(engine))
     else:
-        app = create_app(engine, args.served_model_name or args.model, loras)
-        server = Server(uvicorn.Config(app, host=args.host, port=args.port))
+        app = create_app(engine, served_model, loras, args.max_request_body_bytes)
+        # (a request still open 5 s after shutdown began is cancelled)
+        server = Server(uvicorn.Config(app, host=args.host, port=args.port,
+                                       timeout_graceful_shutdown=5))
+        port = server.config.bind_socket()  # in use: uvicorn says so and exits (3)
         server.engine = engine
         engine.on_exit = lambda: setattr(server, "should_exit", True)
-        run = server.run
+        run = partial(server.run, sockets=[port])
     engine.thread.start()  # builds the LLM while uvicorn opens the port (or the shell waits)
     with contextlib.suppress(KeyboardInterrupt):
         run()

@@ -1,8 +1,10 @@
-"""Prometheus metrics, vLLM's names under `nanograph:`, and the CUDA graphs' own.
+"""Prometheus metrics, vLLM's names under `nanograph:` (each labelled with `model_name`, as
+vLLM's dashboards select them), and the CUDA graphs' own.
 
-Latencies are taken in the engine thread, as each step's dicts come out: time to first token
-(from the request's arrival), inter-token latency (between two steps that gave a request
-tokens: the decode rhythm a user sees, apart from the prefill-bound first token), end to end.
+Latencies are taken in the engine thread, as each step's dicts come out: queue time (arrival to
+the start of the step that first schedules the request), time to first token (from the
+request's arrival), inter-token latency (between two steps that gave a request tokens: the
+decode rhythm a user sees, apart from the prefill-bound first token), end to end.
 The gauges are set after every step from the scheduler, the block manager and `llm.stats()`;
 prometheus_client's metrics are thread-safe, so /metrics reads them from the event loop.
 
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 LATENCY_BUCKETS = [0.001 * 2**i for i in range(17)]  # 1 ms to 65 s, doubling
+TOKEN_BUCKETS = [2**i for i in range(21)]            # 1 to a million tokens
 
 # llm.stats() key -> (gauge, what it says); absent keys (no graphs) leave the gauge at 0
 STATS_GAUGES = {
@@ -24,7 +27,6 @@ STATS_GAUGES = {
     "mixed_graph_hit_rate": ("mixed_graph_hit_rate", "Share of mixed steps that replayed a graph"),
     "num_graphs": ("num_cuda_graphs", "CUDA graphs captured"),
     "graph_memory_bytes": ("cuda_graph_memory_bytes", "Memory of the graphs' shared pool"),
-    "preemptions": ("num_preemptions", "Sequences preempted since start"),
     "prefix_cache_hit_tokens": ("prefix_cache_hit_tokens", "Prompt tokens found in the cache"),
 }
 
@@ -40,11 +42,13 @@ class RouterGauge:
 
 
 class Metrics:
-    def __init__(self):
+    def __init__(self, model_name: str):
         self.registry = CollectorRegistry()
+        self.model_name = model_name
 
         def make(kind, name: str, doc: str, **kwargs):
-            return kind(f"nanograph:{name}", doc, registry=self.registry, **kwargs)
+            return kind(f"nanograph:{name}", doc, ["model_name"], registry=self.registry,
+                        **kwargs).labels(model_name)
 
         def router_gauge(name: str, doc: str, *old_names: str) -> RouterGauge:
             """nanograph:NAME and vllm:NAME (and vLLM's OLD_NAMES for it)."""
@@ -58,6 +62,18 @@ class Metrics:
                         buckets=LATENCY_BUCKETS)
         self.e2e = make(Histogram, "e2e_request_latency_seconds", "Arrival to finish",
                         buckets=LATENCY_BUCKETS)
+        self.queue_time = make(Histogram, "request_queue_time_seconds",
+                               "Arrival to the step that first schedules it",
+                               buckets=LATENCY_BUCKETS)
+        self.request_prompt_tokens = make(Histogram, "request_prompt_tokens",
+                                          "Prompt tokens per request", buckets=TOKEN_BUCKETS)
+        self.request_generation_tokens = make(Histogram, "request_generation_tokens",
+                                              "Tokens generated per request (its n completions)",
+                                              buckets=TOKEN_BUCKETS)
+        self.success = Counter("nanograph:request_success", "Completions finished, by reason",
+                               ["model_name", "finished_reason"], registry=self.registry)
+        self.preemptions = make(Counter, "num_preemptions", "Sequences preempted")
+        self.num_preempted = 0  # the scheduler's count when last read
         self.prompt_tokens = make(Counter, "prompt_tokens", "Prompt tokens of finished requests")
         self.generation_tokens = make(Counter, "generation_tokens", "Tokens generated")
         self.running = router_gauge("num_requests_running", "Sequences running")
@@ -79,8 +95,13 @@ class Metrics:
             job.num_tokens = num_tokens
             job.last_token_time = now
         if out["finished"]:
+            num_prompt_tokens = len(out["prompt_token_ids"])
             self.e2e.observe(now - job.arrival)
-            self.prompt_tokens.inc(len(out["prompt_token_ids"]))
+            self.prompt_tokens.inc(num_prompt_tokens)
+            self.request_prompt_tokens.observe(num_prompt_tokens)
+            self.request_generation_tokens.observe(num_tokens)
+            for completion in out["outputs"]:
+                self.success.labels(self.model_name, completion["finish_reason"]).inc()
 
     def update(self, llm, now: float):
         """The gauges, from the LLM's state after a step (in the engine thread). llm.stats()
@@ -93,6 +114,8 @@ class Metrics:
             return
         self.stats_time = now
         stats = llm.stats()
+        self.preemptions.inc(stats["preemptions"] - self.num_preempted)
+        self.num_preempted = stats["preemptions"]
         for key, gauge in self.stats.items():
             if key in stats:
                 gauge.set(stats[key])
