@@ -36,12 +36,14 @@ reference run. benchmarks/<section>.py has its code and says why its figures com
 - `--all`: `--decode-sweep --compare --ladders --overlap --lora 4 --serving --serving-http`.
 
 `--shape a,b` runs every section once per shape, `--attention-backend a,b` once per backend,
+`--kv-cache-dtype auto,fp8` once per KV cache dtype (side by side in one call),
 `--model` on a real checkpoint instead of a shape. `--quick --device cpu` runs every section on a
 tiny model and workload in float32 (graph-only and profiled parts skipped, with a note). `--json
 PATH` writes every figure; `--plot PATH` draws decode latency and throughput (needs matplotlib).
 """
 import argparse
 import glob
+import itertools
 import json
 import os
 import sys
@@ -82,6 +84,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", help="cuda or cpu (default: cuda if available)")
     p.add_argument("--dtype", help="default bfloat16 (float32 with --quick)")
     p.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
+    p.add_argument("--kv-cache-dtype", type=lambda t: t.split(","), default=["auto"],
+                   help="comma-separated: run every section once per KV cache dtype (auto,fp8)")
     p.add_argument("--attention-backend", type=lambda t: t.split(","), default=["auto"],
                    help="comma-separated: run every section once per backend, in this process "
                         "(e.g. triton,flash_attn)")
@@ -211,11 +215,13 @@ def main(argv=None) -> dict:
         print(f"workload: {w.num_seqs} sequences, {w.prompt_tokens:,} prompt tokens, "
               f"{w.output_tokens:,} output tokens{reference}{logprobs}")
         for setup in setups:
-            for backend in args.attention_backend:
-                setup.attention_backend = backend
+            for backend, kv_dtype in itertools.product(args.attention_backend, args.kv_cache_dtype):
+                setup.attention_backend, setup.kv_cache_dtype = backend, kv_dtype
                 key = setup.name
                 if len(args.attention_backend) > 1:
-                    key = f"{setup.name} ({backend})"
+                    key = f"{key} ({backend})"
+                if len(args.kv_cache_dtype) > 1:
+                    key = f"{key} (KV {kv_dtype})"
                 if len(setups) > 1 or key != setup.name:
                     print(f"\n==== {key} ====")
                 report["shapes"][key] = run_sections(setup)

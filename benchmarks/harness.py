@@ -38,12 +38,13 @@ class Setup:
     max_token_id: int
     tmp: str  # the run's temporary directory (model configs, LoRA adapters)
     attention_backend: str = "auto"  # one of --attention-backend's, set by main for each in turn
+    kv_cache_dtype: str = "auto"     # one of --kv-cache-dtype's, likewise
 
     def llm_kwargs(self, **overrides) -> dict:
         """The LLM's keyword arguments: the run's settings, then `overrides`."""
         kwargs = dict(load_format=self.load_format, dtype=self.dtype, device=self.device,
                       max_model_len=self.args.max_model_len, tensor_parallel_size=self.args.tp,
-                      attention_backend=self.attention_backend)
+                      attention_backend=self.attention_backend, kv_cache_dtype=self.kv_cache_dtype)
         if self.args.num_kvcache_blocks:
             kwargs["num_kvcache_blocks"] = self.args.num_kvcache_blocks
         return kwargs | overrides

@@ -108,10 +108,12 @@ def alive(pid: int) -> bool:
 
 
 def metrics(url: str) -> dict[str, float]:
-    """A replica's /metrics samples (without labels) by name."""
+    """A replica's /metrics samples labelled by the model's name alone (or by nothing), by name."""
     text = httpx.get(url + "/metrics").text
-    samples = (line.split() for line in text.splitlines() if line and not line.startswith("#"))
-    return {sample[0]: float(sample[1]) for sample in samples if "{" not in sample[0]}
+    samples = (line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+    only_model = f'{{model_name="{MODEL}"}}'
+    return {name.replace(only_model, ""): float(value) for name, value in samples
+            if "{" not in name.replace(only_model, "")}
 
 
 def served(front: Front) -> dict[str, float]:

@@ -87,10 +87,12 @@ E4M3_MAX = tl.constexpr(448.0)
 def to_cache_dtype(x, scale, cache_ptr):
     """x as the cache at cache_ptr stores it: as it is for a cache of the model's dtype;
     e4m3(x / scale), saturated at +-448, for a float8_e4m3fn cache."""
+    # (decided at compile time; one return, as Triton's compiler wants it)
     if cache_ptr.dtype.element_ty == tl.float8e4nv:
-        scaled = tl.clamp(x.to(tl.float32) / scale, -E4M3_MAX, E4M3_MAX)
-        return scaled.to(tl.float8e4nv)
-    return x
+        stored = tl.clamp(x.to(tl.float32) / scale, -E4M3_MAX, E4M3_MAX).to(tl.float8e4nv)
+    else:
+        stored = x
+    return stored
 
 
 @triton.jit

@@ -53,8 +53,8 @@ class Metrics:
         def router_gauge(name: str, doc: str, *old_names: str) -> RouterGauge:
             """nanograph:NAME and vllm:NAME (and vLLM's OLD_NAMES for it)."""
             return RouterGauge([make(Gauge, name, doc)] + [
-                Gauge(f"vllm:{vllm_name}", doc, registry=self.registry)
-                for vllm_name in (name, *old_names)])
+                Gauge(f"vllm:{vllm_name}", doc, ["model_name"], registry=self.registry
+                      ).labels(model_name) for vllm_name in (name, *old_names)])
 
         self.ttft = make(Histogram, "time_to_first_token_seconds", "Time to first token",
                          buckets=LATENCY_BUCKETS)
