@@ -21,10 +21,10 @@ from functools import partial
 import uvicorn
 
 from nanograph import LoRARequest
-from nanograph.lora.adapter import read_adapter
 from nanograph.config import Config
+from nanograph.dp.launcher import add_replica_flags, serve_replicas
+from nanograph.lora.adapter import read_adapter
 from nanograph.serve.api import create_app
-from nanograph.serve.data_parallel import ROUTER_POLICIES, serve_replicas
 from nanograph.serve.engine_thread import EngineThread
 from nanograph.serve.shell import chat_shell
 
@@ -54,10 +54,7 @@ def parse_args(argv):
     parser.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
                         help="PEFT adapters, chosen by naming them as the request's model")
     parser.add_argument("--shell", action="store_true", help="chat in the terminal instead")
-    parser.add_argument("--data-parallel-size", type=int, default=1,
-                        help="replicas of the engine behind the smg router on --port")
-    parser.add_argument("--router-policy", default="cache_aware", choices=ROUTER_POLICIES,
-                        help="smg's routing policy (with --data-parallel-size > 1)")
+    add_replica_flags(parser)
     parser.add_argument("--max-request-body-bytes", type=int, default=4 << 20,
                         help="a larger request body is refused at once (413)")
     engine_flags = parser.add_argument_group("engine knobs (nanograph.LLM's)")

@@ -88,6 +88,14 @@ def replica_envs(size: int, knobs: dict) -> list[dict]:
             for rank in range(size)]
 
 
+def add_replica_flags(parser):
+    """The server's flags for replicas (serve/cli.py)."""
+    parser.add_argument("--data-parallel-size", type=int, default=1,
+                        help="replicas of the engine behind the smg router on --port")
+    parser.add_argument("--router-policy", default="cache_aware", choices=ROUTER_POLICIES,
+                        help="smg's routing policy (with --data-parallel-size > 1)")
+
+
 def serve_replicas(args, knobs: dict, argv: list[str]):
     """Run the replicas, and smg in front of them once all are ready, until SIGTERM, Ctrl-C or
     smg's exit. Before smg starts, a replica's exit ends everything (its flags may be wrong);
