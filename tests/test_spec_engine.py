@@ -183,3 +183,28 @@ def test_drafts_only_once_the_batch_is_small_enough():
 def test_bad_speculative_configs_are_refused_naming_the_key(config, key):
     with pytest.raises(ValueError, match=key):
         LLM(DEMO, **KNOBS, speculative_config=config)
+
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@gpu
+def test_verify_graphs_match_eager_verify_and_plain_greedy_on_the_demo_model():
+    """On CUDA (float32, triton): the verify steps replay their graphs, and give the tokens of
+    eager verify steps and of plain decoding (greedy and seeded sampling)."""
+    params = [SamplingParams(temperature=0, max_tokens=64, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_k=50, max_tokens=64, ignore_eos=True, seed=1)]
+    prompts = PYTHON[:2]
+    knobs = dict(dtype="float32", max_model_len=512, kvcache_block_size=16)
+    results = {}
+    for name, overrides in (("plain", {}), ("graphs", {"speculative_config": NGRAM}),
+                            ("eager", {"speculative_config": NGRAM, "enforce_eager": True})):
+        with LLM(DEMO, **knobs, **overrides) as llm:
+            results[name] = [out["token_ids"] for out in
+                             llm.generate(prompts * 2, params * 2, use_tqdm=False)]
+            stats = llm.stats()
+        if name == "graphs":
+            assert stats["spec_verify_graph_replays"] == stats["steps"]["verify"] > 0
+            assert stats["spec_decode_num_accepted_tokens"] > 0
+    assert results["graphs"] == results["eager"] == results["plain"]

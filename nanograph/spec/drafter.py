@@ -22,6 +22,7 @@ asks to be collected first, so that the next step can draft.
 """
 import weakref
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -75,6 +76,9 @@ class Backoff:
 class NgramDrafter:
     def __init__(self, config: SpeculativeConfig):
         self.config = config
+        # (tokens [rows, width], lengths [rows], k) -> drafts [rows, k], their number [rows]
+        self.proposer = partial(propose_ngram_batched, prompt_lookup_min=config.prompt_lookup_min,
+                                prompt_lookup_max=config.prompt_lookup_max)
         self.backoff: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # seq -> Backoff
         self.proposed: dict = {}  # seq -> its drafts, for the step in flight
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
@@ -104,16 +108,14 @@ class NgramDrafter:
         return [self.proposed.get(seq, []) for seq in decodes]
 
     def lookup(self, seqs) -> list[list[int]]:
-        """Prompt lookup (ngram.py) over each sequence's tokens."""
+        """Each sequence's drafts from its tokens: prompt lookup (ngram.py), or the bench's."""
         if not seqs:
             return []
         lengths = [len(seq) for seq in seqs]
         width = max(lengths)
         tokens = torch.tensor([seq.token_ids + [-1] * (width - len(seq)) for seq in seqs])
-        config = self.config
-        drafts, counts = propose_ngram_batched(tokens, torch.tensor(lengths),
-                                               config.num_speculative_tokens,
-                                               config.prompt_lookup_min, config.prompt_lookup_max)
+        drafts, counts = self.proposer(tokens, torch.tensor(lengths),
+                                       self.config.num_speculative_tokens)
         return [row[:count] for row, count in zip(drafts.tolist(), counts.tolist())]
 
     def verified(self, batch):
