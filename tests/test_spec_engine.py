@@ -208,3 +208,14 @@ def test_verify_graphs_match_eager_verify_and_plain_greedy_on_the_demo_model():
             assert stats["spec_verify_graph_replays"] == stats["steps"]["verify"] > 0
             assert stats["spec_decode_num_accepted_tokens"] > 0
     assert results["graphs"] == results["eager"] == results["plain"]
+
+
+def test_the_server_takes_the_config_as_json():
+    pytest.importorskip("uvicorn")
+    from nanograph.serve.cli import parse_args
+    from nanograph.serve.metrics import STATS_GAUGES
+    _, knobs, _ = parse_args(["model", "--speculative-config",
+                              '{"method": "ngram", "num_speculative_tokens": 3}'])
+    assert knobs["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 3}
+    assert {"spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+            "spec_decode_num_accepted_tokens"} <= set(STATS_GAUGES)
