@@ -32,6 +32,8 @@ reference run. benchmarks/<section>.py has its code and says why its figures com
 - `--serving-http --data-parallel-size N`: instead, one replica against N behind SGLang's router
   (smg) under cache_aware and round_robin: the Poisson workloads and a shared-prefix one, with
   each server's prefix-cache hit rate.
+- `--spec`: speculative decoding: replayed drafts at acceptance 0, 0.5, 0.7, 0.9 by batch size
+  (tokens/s against plain decoding), and prompt lookup on the demo model's Python.
 - `--logprobs N`: every sequence of the workload asks for its top-N logprobs (what they cost).
 - `--all`: `--decode-sweep --compare --ladders --overlap --lora 4 --serving --serving-http`.
 
@@ -62,6 +64,7 @@ from benchmarks.serving import section_serving
 from benchmarks.serving_dp import section_data_parallel
 from benchmarks.serving_http import section_serving_http
 from benchmarks.shapes import BENCH_SHAPES
+from benchmarks.spec import section_spec
 from benchmarks.workloads import REFERENCE_OUTPUT_TOKENS
 
 
@@ -119,6 +122,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
                    help="--serving-http: one replica against N behind the smg router instead "
                         "(Poisson and shared-prefix workloads, cache_aware and round_robin)")
+    p.add_argument("--spec", action="store_true",
+                   help="speculative decoding: replayed drafts by acceptance and batch, and "
+                        "prompt lookup on the demo model")
     p.add_argument("--all", action="store_true",
                    help="--decode-sweep --compare --ladders --overlap --lora 4 --serving "
                         "--serving-http")
@@ -156,7 +162,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.serving_http = True
         args.lora = args.lora or 4
     other_sections = (args.ladders or args.decode_sweep or args.lora or args.serving
-                      or args.serving_http)
+                      or args.serving_http or args.spec)
     args.run_default = args.run or args.compare or args.overlap or not other_sections
     args.sweep_max_bs = args.sweep_max_bs or (8 if args.quick else 256)
     args.sweep_context_len = args.sweep_context_len or (32 if args.quick else 512)
@@ -188,6 +194,8 @@ def run_sections(setup: Setup) -> dict:
         report["ladders"] = section_ladders(setup)
     if args.serving:
         report["serving"] = section_serving(setup)
+    if args.spec:
+        report["spec"] = section_spec(setup)
     if args.serving_http and args.data_parallel_size > 1:
         report["serving_http"] = section_data_parallel(setup)
     elif args.serving_http:

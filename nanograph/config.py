@@ -47,6 +47,7 @@ class Config:
     enable_lora: bool = False
     max_loras: int = 4                         # adapters resident at once (GPU slots)
     max_lora_rank: int = 64
+    speculative_config: dict | None = None     # {"method": "ngram", ...}: spec/ checks it
     block_size: int | None = None              # vLLM's name for kvcache_block_size
     # and, derived in __post_init__:
     # model_dir (str), hf_config (the HF PretrainedConfig), torch_dtype, kv_cache_torch_dtype

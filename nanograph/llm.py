@@ -34,7 +34,8 @@ off there by default.
 
 Extensions. `install_extensions` is the one place that names them: LoRA (lora/) hands its slot
 table to the scheduler and its runner extension to the runner; the batch-1 chain (fast/) is a
-runner extension on CUDA; tensor parallelism (engine/tp.py) replaces the runner. The rest of the
+runner extension on CUDA; speculative decoding (spec/) hands the scheduler its drafter and the
+runner its verify graphs; tensor parallelism (engine/tp.py) replaces the runner. The rest of the
 engine calls them through the scheduler's and the runner's hooks and imports none of them.
 """
 import contextlib
@@ -58,24 +59,30 @@ from nanograph.engine.sequence import Sequence
 from nanograph.engine.tp import TensorParallelRunner
 from nanograph.lora import LoRA, LoRARequest
 from nanograph.sampling_params import SamplingParams
+from nanograph.spec import Speculation
 
 
 ManySamplingParams = SamplingParams | list[SamplingParams] | None  # one for all, or one each
 ManyLoRARequests = LoRARequest | list[LoRARequest | None] | None
 
 
-def install_extensions(config: Config) -> tuple[LoRA | None, list[RunnerExtension]]:
-    """The extensions `config` asks for: LoRA (None without enable_lora) and the runner's
-    extensions, in the order they install (LoRA wraps the layers the batch-1 chain then runs)."""
-    lora = None
+def install_extensions(config: Config) \
+        -> tuple[LoRA | None, Speculation | None, list[RunnerExtension]]:
+    """The extensions `config` asks for: LoRA and speculative decoding (None each when not asked
+    for) and the runner's extensions, in the order they install (LoRA wraps the layers the
+    batch-1 chain then runs)."""
+    lora = spec = None
     extensions = []
+    if config.speculative_config is not None:
+        spec = Speculation(config)
+        extensions.append(spec.runner_extension)
     if config.enable_lora:
         lora = LoRA(config.hf_config, config.max_loras, config.max_lora_rank)
         extensions.append(lora.runner_extension)
     if config.device.startswith("cuda"):
         from nanograph.fast import FastDecodeChain  # (Triton: only where CUDA is)
         extensions.append(FastDecodeChain())
-    return lora, extensions
+    return lora, spec, extensions
 
 
 class LLM(contextlib.AbstractContextManager):  # `with LLM(...) as llm:` closes it at the end
@@ -89,7 +96,7 @@ class LLM(contextlib.AbstractContextManager):  # `with LLM(...) as llm:` closes 
         tokenizer_files = ("tokenizer.json", "tokenizer_config.json")
         if any(Path(config.model_dir, f).exists() for f in tokenizer_files):
             self.tokenizer = AutoTokenizer.from_pretrained(config.model_dir)
-        self.lora, extensions = install_extensions(config)
+        self.lora, self.spec, extensions = install_extensions(config)
         if config.tensor_parallel_size > 1:
             self.runner = TensorParallelRunner(config, extensions)
         else:
@@ -101,7 +108,8 @@ class LLM(contextlib.AbstractContextManager):  # `with LLM(...) as llm:` closes 
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_num_mixed_tokens=config.max_num_mixed_tokens,
                                    max_model_len=config.max_model_len,
-                                   slots=self.lora and self.lora.slots)
+                                   slots=self.lora and self.lora.slots,
+                                   drafter=self.spec and self.spec.drafter)
         self.eos_ids = self._eos_ids()
         self.requests: dict[int, Request] = {}   # unfinished (and aborted, until reported), by id
         self.in_flight: deque[InFlight] = deque()
@@ -283,8 +291,9 @@ class LLM(contextlib.AbstractContextManager):  # `with LLM(...) as llm:` closes 
             batch = self.scheduler.schedule()
             if batch is not None:
                 self.in_flight.append(self.runner.launch(batch))
-            lookahead = int(self.config.overlap_scheduling)  # steps left in flight after a launch
-            if len(self.in_flight) > lookahead or (batch is None and self.in_flight):
+            # steps left in flight after a launch (none after one that must be collected first)
+            lookahead = int(self.config.overlap_scheduling and (batch is None or batch.overlap))
+            while len(self.in_flight) > lookahead or (batch is None and self.in_flight):
                 launched = self.in_flight.popleft()
                 for seq in self.scheduler.update(launched.batch, *self.runner.collect(launched)):
                     request = self.requests[seq.request_id]
@@ -360,4 +369,5 @@ class LLM(contextlib.AbstractContextManager):  # `with LLM(...) as llm:` closes 
                 "num_kvcache_blocks": self.runner.num_kv_blocks,
                 "attention_backend": self.config.attention_backend,
                 "kv_cache_dtype": str(self.config.kv_cache_torch_dtype).removeprefix("torch."),
-                **(self.runner.graphs.stats_dict() if self.runner.graphs is not None else {})}
+                **(self.runner.graphs.stats_dict() if self.runner.graphs is not None else {}),
+                **(self.spec.stats(self.runner.graphs) if self.spec is not None else {})}

@@ -108,13 +108,15 @@ class BlockManager:
                 self.hash_to_block_id.setdefault(block.hash, block.block_id)
             seq.num_hashed_blocks = i + 1
 
-    def free(self, seq: Sequence):
-        for block_id in reversed(seq.block_table):
+    def free(self, seq: Sequence, keep: int = 0):
+        """Give back the blocks of `seq` after its first `keep` (all of them by default)."""
+        for block_id in reversed(seq.block_table[keep:]):
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.free_block_ids.append(block_id)
-        seq.block_table, seq.num_hashed_blocks = [], 0
+        del seq.block_table[keep:]
+        seq.num_hashed_blocks = min(seq.num_hashed_blocks, keep)
 
     def fork(self, parent: Sequence, child: Sequence):
         """Share the parent's full prompt blocks with `child` (reference counts). Returns the

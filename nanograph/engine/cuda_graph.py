@@ -40,7 +40,9 @@ Which graphs. Keys are (decode rows d, prefill tokens p, variant):
   through the LM head and the sampler. Mixed graphs run variant 0 only (a step of another variant
   runs eagerly), and only with the triton attention backend (the others size prefill attention on
   the host).
-Prefill-only steps (nothing decodes), steps above the largest graph and the rest run eagerly,
+An extension may add graphs of prefill-only shapes of its own (model_runner.py; spec/'s verify
+steps): a prefill-only step runs on the smallest of them that holds it, if any.
+Other prefill-only steps (nothing decodes), steps above the largest graph and the rest run eagerly,
 counted (`stats()`): the hit rates and the padding waste (padded rows or tokens / real ones) say
 what the graphs cost and buy. Every tensor-parallel rank computes the same graphs from the same
 config and picks the same one for a step, as its collectives require.
@@ -105,6 +107,13 @@ def mixed_shape(d: int, p: int) -> StepShape:
     return StepShape(decodes=d, prefill_tokens=p, chunks=chunks, rows=d + chunks, max_chunk=p)
 
 
+def holds(bucket: StepShape, step: StepShape) -> bool:
+    """Whether a prefill-only graph of shape `bucket` can run a prefill-only `step`."""
+    return bucket.variant == step.variant and all(
+        getattr(bucket, name) >= getattr(step, name)
+        for name in ("prefill_tokens", "chunks", "rows", "max_chunk"))
+
+
 @dataclass
 class GraphStats:
     """What the graphs did, step by step: measured, not assumed. Counters only, so that the
@@ -117,7 +126,8 @@ class GraphStats:
     def as_dict(self):
         decode, mixed = Counter(), Counter()
         for shape, n in self.replays.items():
-            (mixed if shape.prefill_tokens else decode)[shape.tokens] += n
+            if shape.decodes or not shape.prefill_tokens:  # (an extension's: its own figures)
+                (mixed if shape.prefill_tokens else decode)[shape.tokens] += n
         variants = {f"{shape.decodes}x{shape.variant}": n
                     for shape, n in self.replays.items() if shape.variant}
         figures = {}
@@ -136,9 +146,9 @@ class GraphStats:
 
 
 class CudaGraphRunner:
-    def __init__(self, config, forward, buffers: StepBuffers, variants=()):
+    def __init__(self, config, forward, buffers: StepBuffers, variants=(), shapes=()):
         """`forward(shape)`: the model runner's step on its static `buffers` (model_runner.py);
-        `variants`: the decode graphs' variants besides 0."""
+        `variants`: the decode graphs' variants besides 0; `shapes`: more prefill-only graphs."""
         max_bs = config.cuda_graph_max_bs or min(config.max_num_seqs, 512)
         ladder = config.cuda_graph_sizes or bucket_ladder(max_bs)
         # no decode batch is larger than max_num_seqs
@@ -148,6 +158,7 @@ class CudaGraphRunner:
         self.grid = []
         if config.attention_backend == "triton":
             self.grid = mixed_grid(self.ladder[-1], config.max_num_mixed_tokens)
+        self.prefill_shapes = sorted(shapes, key=lambda shape: shape.tokens)
         self.stats = GraphStats()
         self.graphs: dict[StepShape, torch.cuda.CUDAGraph] = {}
         self.capture(forward, buffers)
@@ -168,7 +179,7 @@ class CudaGraphRunner:
         reserved, allocated = torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
         reserved_before = reserved
         shapes = [decode_shape(d, variant) for d in self.ladder for variant in self.variants]
-        shapes += [mixed_shape(d, p) for d, p in self.grid]
+        shapes += [mixed_shape(d, p) for d, p in self.grid] + self.prefill_shapes
         # largest first
         shapes.sort(key=lambda shape: (shape.tokens, shape.decodes, shape.variant), reverse=True)
         for i, shape in enumerate(tqdm(shapes, desc="Capturing CUDA graphs", leave=False)):
@@ -213,6 +224,8 @@ class CudaGraphRunner:
             fits = [(d, p) for d, p in self.grid if d >= step.decodes and p >= step.prefill_tokens]
             if fits and step.rows <= fits[0][0] + MIXED_PREFILL_CHUNKS:
                 bucket = mixed_shape(*fits[0])
+        elif not step.decodes:
+            bucket = next((shape for shape in self.prefill_shapes if holds(shape, step)), None)
         if bucket is None:
             kind = "decode" if not step.prefill_tokens else "mixed" if step.decodes else "prefill"
             self.stats.eager[kind] += 1
@@ -222,7 +235,7 @@ class CudaGraphRunner:
         """Replay the graph of `bucket` for a step of (exact) shape `step`."""
         self.graphs[bucket].replay()
         self.stats.replays[bucket] += 1
-        if bucket.prefill_tokens:
+        if bucket.prefill_tokens and bucket.decodes:
             self.stats.real_tokens += step.tokens
         else:
             self.stats.real_rows += step.decodes

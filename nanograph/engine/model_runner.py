@@ -23,7 +23,8 @@ Attention holding views into it. Its size comes from memory: on CUDA, what is le
 Extensions (`RunnerExtension`, handed in by llm.py) change the runner from outside at four
 points: `install` swaps modules into the model once its weights are loaded (before the cache
 is sized and the graphs captured); `step_fields` and `graph_variants` add fields to the static
-buffers and variants to the decode graphs; `before_step` runs on the host before a step's inputs
+buffers and variants to the decode graphs, `graph_shapes` graphs of its own steps' shapes and
+`max_rows` the sampling rows they need; `before_step` runs on the host before a step's inputs
 go up; `bind` runs inside `forward`, so inside every captured graph, and hands an extension its
 views of the buffers. The runner calls them there and knows nothing else of them.
 """
@@ -51,6 +52,8 @@ class RunnerExtension:
     """What an extension adds to the runner (see above); each hook here does nothing."""
     step_fields: dict[str, tuple[str, int]] = {}  # more buffer fields: name -> (per, padding)
     graph_variants: tuple[int, ...] = ()  # the decode graphs are captured again for each
+    graph_shapes: tuple[StepShape, ...] = ()  # more graphs, for prefill-only shapes
+    max_rows: int = 0  # the most sampling rows its steps have
 
     def install(self, model: torch.nn.Module):
         """Swap modules into the model, once its weights are loaded."""
@@ -125,7 +128,8 @@ class ModelRunner:
         # one cache block of one layer: [block_size, kv_heads on this rank, head_dim]
         self.kv_block_shape = (self.block_size, first.num_kv_heads, first.head_dim)
         # the static step buffers and outputs, for the largest step: eager or a graph's (padded)
-        max_rows = config.max_num_seqs + MIXED_PREFILL_CHUNKS
+        max_rows = max([config.max_num_seqs + MIXED_PREFILL_CHUNKS]
+                       + [extension.max_rows for extension in self.extensions])
         max_blocks = -(-config.max_model_len // self.block_size)
         extra_fields = {name: spec for extension in self.extensions
                         for name, spec in extension.step_fields.items()}
@@ -142,7 +146,8 @@ class ModelRunner:
         capturable = self.device.type == "cuda" and config.attention_backend != "torch"
         if capturable and not config.enforce_eager and config.cuda_graph_max_bs != 0:
             variants = [v for extension in self.extensions for v in extension.graph_variants]
-            self.graphs = CudaGraphRunner(config, self.forward, self.buffers, variants)
+            shapes = [s for extension in self.extensions for s in extension.graph_shapes]
+            self.graphs = CudaGraphRunner(config, self.forward, self.buffers, variants, shapes)
 
     # ---- KV cache ------------------------------------------------------------------------
     def allocate_kv_cache(self):

@@ -73,19 +73,23 @@ class Request:
         if self.detokenizers is None:
             return None
         detokenizer = self.detokenizers[self.seqs.index(seq)]
-        tokens = seq.completion_token_ids
         params = seq.params
+        tokens = seq.completion_token_ids
         if seq.finish_reason == "stop" and not params.include_stop_str_in_output:
             tokens = tokens[:-1]  # it ended on a stop token (a stop string is found below)
-        piece = detokenizer.feed(tokens[detokenizer.num_fed:])
-        if not params.stop or not piece or len(tokens) < params.min_tokens:
-            return None
-        found = find_stop(detokenizer.text, len(piece), params.stop)
-        if found is None:
-            return None
-        start, stop = found
-        detokenizer.text = detokenizer.text[:start + len(stop) * params.include_stop_str_in_output]
-        return stop
+        # one token at a time: a step may bring several (drafts), and a stop ends at its token
+        for token in tokens[detokenizer.num_fed:]:
+            piece = detokenizer.feed([token])
+            if not params.stop or not piece or detokenizer.num_fed < params.min_tokens:
+                continue
+            found = find_stop(detokenizer.text, len(piece), params.stop)
+            if found is not None:
+                start, stop = found
+                detokenizer.text = detokenizer.text[:start + len(stop)
+                                                    * params.include_stop_str_in_output]
+                seq.truncate(seq.num_prompt_tokens + detokenizer.num_fed)  # (tokens after it)
+                return stop
+        return None
 
     def completion(self, i: int):
         seq = self.seqs[i]

@@ -49,6 +49,15 @@ sequences need beside KV blocks (lora/slots.py's adapter slots are one). It may 
 sequence at admission (`can_admit`) and it annotates each step (`assign`: the step's graph
 `variant` and its `extras`, which travel untouched to the model runner's extensions). Without
 one (`None`) the scheduler is exactly the above.
+
+It may also be handed a `drafter` (spec/): guesses of the tokens that follow each decode row's
+last one. A row with drafts computes them too, as a prefill chunk of 1 + drafts tokens over its
+cache, and every token of the chunk samples: the target's own token at each draft's index. Drafts
+sit in `token_ids` until `update`, where the first draft its row contradicts is replaced by the
+row's token and everything after it cut (`reject_drafts`: tokens, computed count, blocks), so the
+prefix cache and the block table only ever hold tokens the target chose. A step with drafts is
+collected before the next is scheduled (`Batch.overlap`): its sequences' lengths are unknown
+until then.
 """
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -65,16 +74,21 @@ class Batch:
     num_decodes: int
     num_tokens: list[int]   # per sequence: tokens computed this step (1 in the decode part)
     starts: list[int] = field(default_factory=list)  # per sequence: num_computed_tokens before
-    # per sampling row: who gets its token, and the index in seqs of the sequence it samples
-    rows: list[tuple[Sequence, int]] = field(default_factory=list)
+    # per sampling row: who gets its token, the index in seqs of the sequence whose logits it
+    # samples, and the index in its sequence of the token it samples
+    rows: list[tuple[Sequence, int, int]] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), after the step
     # (index in seqs, position p): prompt positions whose next token's logprobs the step computes
     prompt_positions: list[tuple[int, int]] = field(default_factory=list)
     variant: int = 0  # which of the runner's graph variants the step needs; 0 = the base model's
     extras: dict = field(default_factory=dict)  # what the slots table attached, for the runner
+    num_draft_tokens: int = 0  # the drafter's guesses it checks
+    overlap: bool = True  # False: collect it before scheduling the next step (llm.py)
 
     @property
     def kind(self):
+        if self.num_draft_tokens:
+            return "verify"
         if self.num_decodes == len(self.seqs):
             return "decode"
         return "mixed" if self.num_decodes else "prefill"
@@ -82,13 +96,14 @@ class Batch:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs, max_num_batched_tokens,
-                 max_num_mixed_tokens=None, max_model_len=1 << 30, slots=None):
+                 max_num_mixed_tokens=None, max_model_len=1 << 30, slots=None, drafter=None):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_mixed_tokens = max_num_mixed_tokens or max_num_batched_tokens
         self.max_model_len = max_model_len
         self.slots = slots  # an extension's slot table (see above), None = none
+        self.drafter = drafter  # proposes draft tokens (see above), None = none
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
@@ -160,9 +175,14 @@ class Scheduler:
     def account(self, decodes: list[Sequence], prefills: list[tuple[Sequence, int]]):
         """The step of `decodes` and `prefills`, treated as computed: the slots table's say,
         counters advanced, a placeholder for each sampling row, forks forked."""
+        proposed = self.drafter.propose(decodes, prefills) if self.drafter is not None else None
+        num_drafts = self.add_drafts(decodes, proposed or [])
         batch = Batch(seqs=decodes + [seq for seq, _ in prefills],
-                      num_decodes=len(decodes),
-                      num_tokens=[1] * len(decodes) + [chunk for _, chunk in prefills])
+                      num_decodes=0 if any(num_drafts) else len(decodes),  # drafts: all chunks
+                      num_tokens=[1 + n for n in num_drafts] + [chunk for _, chunk in prefills],
+                      num_draft_tokens=sum(num_drafts),
+                      overlap=proposed is None)
+        num_drafts += [0] * len(prefills)
         if self.slots is not None:
             self.slots.assign(batch, self.running)
         self.steps[batch.kind] += 1
@@ -179,13 +199,35 @@ class Scheduler:
                 child.num_computed_tokens = seq.num_computed_tokens
                 child.status = Status.RUNNING
                 self.running.append(child)
+            # each draft's index: the token the one before it samples
+            batch.rows += [(seq, i, index) for index in range(len(seq) - num_drafts[i], len(seq))]
             for sampler in [seq, *seq.forks]:
                 sampler.token_ids.append(-1 - len(batch.rows))
-                batch.rows.append((sampler, i))
-                if self.at_length_limit(sampler, len(sampler)):
+                batch.rows.append((sampler, i, len(sampler) - 1))
+                if self.at_length_limit(sampler, len(sampler) - num_drafts[i]):
                     self.running.remove(sampler)  # its last token is decided: finishes in update()
             seq.forks = []
         return batch
+
+    def add_drafts(self, decodes: list[Sequence], proposed: list[list[int]]) -> list[int]:
+        """Append each decode row's drafts to its tokens, as many as its length limits and a free
+        block allow (drafts never preempt); how many each got."""
+        num_drafts = []
+        for seq, drafts in zip(decodes, proposed):
+            limit = min(seq.num_prompt_tokens + seq.params.max_tokens, self.max_model_len)
+            seq.token_ids += drafts[:max(limit - len(seq) - 1, 0)]
+            if not self.block_manager.append_slot(seq):
+                seq.truncate(seq.num_computed_tokens + 1)
+            num_drafts.append(len(seq) - seq.num_computed_tokens - 1)
+        return num_drafts + [0] * (len(decodes) - len(num_drafts))
+
+    def reject_drafts(self, seq: Sequence, index: int, token: int):
+        """The target sampled `token` where `seq` holds a draft: it replaces the draft, and the
+        drafts after it go, with their K/V (recomputed from `index` on) and their blocks."""
+        seq.truncate(index)
+        seq.token_ids.append(token)
+        seq.num_computed_tokens = min(seq.num_computed_tokens, index)
+        self.block_manager.free(seq, keep=seq.num_blocks)
 
     def at_length_limit(self, seq: Sequence, length: int):
         """Whether a sequence of `length` tokens has no room for another (max_tokens,
@@ -208,6 +250,10 @@ class Scheduler:
         for (index, position), entry in zip(batch.prompt_positions, prompt_logprobs or ()):
             # (a recompute after preemption writes the same entries again)
             batch.seqs[index].prompt_logprobs[position + 1] = entry
+        for (seq, _, index), token in zip(batch.rows, sampled):
+            live = seq.status != Status.FINISHED and index < len(seq)
+            if live and 0 <= seq.token_ids[index] != token:  # a draft (>= 0), contradicted
+                self.reject_drafts(seq, index, token)
         for seq, start, num_tokens in zip(batch.seqs, batch.starts, batch.num_tokens):
             # blocks this step completed (none if it was preempted since: its counter went
             # back to 0)
@@ -215,21 +261,25 @@ class Scheduler:
                 computed = min(start + num_tokens, seq.num_computed_tokens)
                 self.block_manager.register_computed_blocks(seq, computed)
         updated = []
-        for row, ((seq, source), token) in enumerate(zip(batch.rows, sampled)):
+        for row, ((seq, _, index), token) in enumerate(zip(batch.rows, sampled)):
             if seq.status == Status.FINISHED:
-                self.num_discarded_tokens += 1  # stopped by a token one step late
+                self.num_discarded_tokens += 1  # stopped by a token one step late (or a draft's)
                 continue
-            index = batch.starts[source] + batch.num_tokens[source]  # the sampled token's index
+            if index >= len(seq):
+                continue  # the check of a draft after a rejected one
             seq.token_ids[index] = token
             if seq.logprobs is not None:
                 seq.logprobs.append(logprobs[row])
                 seq.cumulative_logprob += logprobs[row][token]
             if token in seq.stop_ids:
                 stop_id = token if token in (seq.params.stop_token_ids or ()) else None
+                seq.truncate(index + 1)  # (drafts after it)
                 self.finish(seq, "stop", stop_id)
             elif self.at_length_limit(seq, index + 1):
                 self.finish(seq, "length")
             updated.append(seq)
+        if self.drafter is not None:
+            self.drafter.verified(batch)
         return updated
 
     def finish(self, seq: Sequence, reason="abort", stop_reason: int | str | None = None):

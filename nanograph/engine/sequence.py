@@ -65,6 +65,15 @@ class Sequence:
             tokens.pop()
         return tokens
 
+    def truncate(self, length: int):
+        """Keep the first `length` tokens (and their logprobs): drafts, or tokens past a stop."""
+        completion_length = max(length - self.num_prompt_tokens, 0)
+        if self.logprobs is not None:
+            for entry, token in zip(self.logprobs[completion_length:], self.token_ids[length:]):
+                self.cumulative_logprob -= entry[token]
+            del self.logprobs[completion_length:]
+        del self.token_ids[length:]
+
     @property
     def num_blocks(self):
         return -(-len(self) // self.block_size)

@@ -111,10 +111,11 @@ def build_step(batch: Batch, block_size) -> StepInput:
         step.context_lens.append(end)
         step.block_tables.append(table + [-1] * (width - len(table)))
         step.cu_seqlens_q.append(len(step.input_ids))
-    params = [seq.params for seq, _ in batch.rows]
-    for row, (seq, source) in enumerate(batch.rows):
-        step.sample_indices.append(step.cu_seqlens_q[source + 1] - 1)
-        step.sample_lens.append(step.context_lens[source])
+    params = [seq.params for seq, _, _ in batch.rows]
+    for row, (seq, source, index) in enumerate(batch.rows):
+        # the token before `index`, among the step's tokens
+        step.sample_indices.append(step.cu_seqlens_q[source] + index - 1 - batch.starts[source])
+        step.sample_lens.append(index)
         step.temperatures.append(seq.params.temperature)
         step.seeds.append(seq.seed)
         if step.sample_lens[-1] - seq.num_prompt_tokens < seq.params.min_tokens:

@@ -2,7 +2,7 @@
 
 Every field of nanograph.config.Config is a flag, made from the dataclass (`max_model_len` ->
 `--max-model-len`, a bool -> `--enforce-eager` / `--no-enforce-eager`, a list -> several
-values); one not given is not passed, so the LLM's own default holds.
+values, a dict -> JSON); one not given is not passed, so the LLM's own default holds.
 
 What can be checked before the engine starts is checked first, each a clear error and a non-zero
 exit: the knobs (a Config is made from them), the LoRA modules (each adapter read against the
@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import json
 import logging
 import sys
 import types
@@ -36,6 +37,8 @@ def add_knob(group, knob: dataclasses.Field):
     options = dict(default=argparse.SUPPRESS, help=f"(default: {knob.default})")
     if kind is bool:
         options.update(action=argparse.BooleanOptionalAction)
+    elif kind is dict:
+        options.update(type=json.loads, help=f"JSON (default: {knob.default})")
     elif typing.get_origin(kind) is list:
         options.update(nargs="+", type=typing.get_args(kind)[0])
     else:

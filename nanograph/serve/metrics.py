@@ -28,6 +28,9 @@ STATS_GAUGES = {
     "num_graphs": ("num_cuda_graphs", "CUDA graphs captured"),
     "graph_memory_bytes": ("cuda_graph_memory_bytes", "Memory of the graphs' shared pool"),
     "prefix_cache_hit_tokens": ("prefix_cache_hit_tokens", "Prompt tokens found in the cache"),
+    "spec_decode_num_drafts": ("spec_decode_num_drafts", "Verifies of a sequence's drafts"),
+    "spec_decode_num_draft_tokens": ("spec_decode_num_draft_tokens", "Draft tokens verified"),
+    "spec_decode_num_accepted_tokens": ("spec_decode_num_accepted_tokens", "Drafts accepted"),
 }
 
 

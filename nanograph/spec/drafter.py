@@ -1,0 +1,147 @@
+"""The scheduler's drafter: prompt-lookup drafts for the decode rows, and when not to draft.
+
+The scheduler (engine/scheduler.py) asks `propose` for each step's decode rows, appends the
+drafts to their tokens and turns the rows into verify chunks; after the step, `update` cuts each
+sequence at its first rejected draft and calls `verified`, where the drafter counts what was
+accepted (vLLM's `spec_decode_*` counters) and adjusts its switch-off rule.
+
+Drafting costs: a verify row computes 1 + k tokens where a decode row computes one, and a step
+with drafts is collected before the next is scheduled (its sequences' lengths depend on what is
+accepted), so it loses overlap scheduling. It pays where a step's time is reading the weights
+(small batches) and drafts are often right. So, per step:
+- no drafts in a step with prefill chunks (it runs on the mixed graphs, which have no verify
+  rows), nor with more than `disable_by_batch_size` decode rows (vLLM's name; there the step is
+  compute-bound, and k + 1 tokens a row cost about k + 1 times one);
+- per sequence, a backoff: after a verify that accepted none of its drafts, a sequence skips
+  drafting for 1 step, then 2, 4, ... up to MAX_BACKOFF steps while it keeps missing; one
+  accepted draft resets it. A sequence whose text never repeats thus drafts about once in
+  MAX_BACKOFF steps.
+A step in which no row is a candidate returns None: a plain step, overlapped as usual. A step
+with candidates whose last token is still in flight (a placeholder) drafts nothing for them but
+asks to be collected first, so that the next step can draft.
+"""
+import weakref
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from nanograph.spec.ngram import propose_ngram_batched
+
+MAX_BACKOFF = 16
+
+
+@dataclass
+class SpeculativeConfig:
+    """`LLM(speculative_config={...})`, vLLM's keys, checked by `parse`."""
+    num_speculative_tokens: int
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+    disable_by_batch_size: int = 32
+    method: str = "ngram"
+
+    @classmethod
+    def parse(cls, values, block_size: int):
+        """From the user's dict; ValueError naming the key for anything bad."""
+        if not isinstance(values, dict):
+            raise ValueError(f"speculative_config must be a dict, got {type(values).__name__}")
+        if "model" in values or values.get("method") == "draft_model":
+            raise ValueError("speculative_config: a draft model ('model') is not supported yet; "
+                             "use {'method': 'ngram', ...}")
+        known = set(cls.__dataclass_fields__)
+        if (unknown := sorted(set(values) - known)):
+            raise ValueError(f"speculative_config: unknown key {unknown[0]!r} (known: {sorted(known)})")
+        if values.get("method", "ngram") != "ngram":
+            raise ValueError(f"speculative_config['method'] must be 'ngram', got {values['method']!r}")
+        if "num_speculative_tokens" not in values:
+            raise ValueError("speculative_config needs 'num_speculative_tokens'")
+        config = cls(**values)
+        for key, low, high in (("num_speculative_tokens", 1, block_size - 1),
+                               ("prompt_lookup_max", 1, 64),
+                               ("prompt_lookup_min", 1, config.prompt_lookup_max),
+                               ("disable_by_batch_size", 1, 1 << 20)):
+            value = getattr(config, key)
+            if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+                raise ValueError(
+                    f"speculative_config[{key!r}] must be an int in [{low}, {high}], got {value!r}")
+        return config
+
+
+@dataclass
+class Backoff:
+    misses: int = 0  # verifies in a row that accepted none of its drafts
+    wait: int = 0    # steps left before it drafts again
+
+
+class NgramDrafter:
+    def __init__(self, config: SpeculativeConfig):
+        self.config = config
+        # (tokens [rows, width], lengths [rows], k) -> drafts [rows, k], their number [rows]
+        self.proposer = partial(propose_ngram_batched, prompt_lookup_min=config.prompt_lookup_min,
+                                prompt_lookup_max=config.prompt_lookup_max)
+        self.backoff: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # seq -> Backoff
+        self.proposed: dict = {}  # seq -> its drafts, for the step in flight
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+
+    def propose(self, decodes: list, prefills: list) -> list[list[int]] | None:
+        """Each decode row's drafts ([] for none); None: a plain step (may overlap the next)."""
+        if prefills or len(decodes) > self.config.disable_by_batch_size:
+            return None
+        candidates = []
+        for seq in decodes:
+            backoff = self.backoff.setdefault(seq, Backoff())
+            if backoff.wait:
+                backoff.wait -= 1
+            else:
+                candidates.append(seq)
+        if not candidates:
+            return None
+        known = [seq for seq in candidates if seq.token_ids[-1] >= 0]  # (not a placeholder)
+        self.proposed = {}
+        for seq, drafts in zip(known, self.lookup(known)):
+            if drafts:
+                self.proposed[seq] = drafts
+            else:
+                self.record(seq, accepted=0)  # nothing to copy from: a miss too
+        if not self.proposed and len(known) == len(candidates):
+            return None
+        return [self.proposed.get(seq, []) for seq in decodes]
+
+    def lookup(self, seqs) -> list[list[int]]:
+        """Each sequence's drafts from its tokens: prompt lookup (ngram.py), or the bench's."""
+        if not seqs:
+            return []
+        lengths = [len(seq) for seq in seqs]
+        width = max(lengths)
+        tokens = torch.tensor([seq.token_ids + [-1] * (width - len(seq)) for seq in seqs])
+        drafts, counts = self.proposer(tokens, torch.tensor(lengths),
+                                       self.config.num_speculative_tokens)
+        return [row[:count] for row, count in zip(drafts.tolist(), counts.tolist())]
+
+    def verified(self, batch):
+        """After the scheduler's update of `batch`: count what its drafts got, and back off."""
+        proposed, self.proposed = self.proposed, {}
+        for seq, start, num_tokens in zip(batch.seqs, batch.starts, batch.num_tokens):
+            drafts = proposed.get(seq, [])[:num_tokens - 1]  # (the scheduler may have cut them)
+            if not drafts:
+                continue
+            kept = seq.token_ids[start + 1:start + 1 + len(drafts)]
+            accepted = next((j for j, (a, b) in enumerate(zip(drafts, kept)) if a != b), len(kept))
+            self.num_drafts += 1
+            self.num_draft_tokens += len(drafts)
+            self.num_accepted_tokens += accepted
+            self.record(seq, accepted)
+
+    def record(self, seq, accepted: int):
+        """The backoff after a verify of `seq` that accepted `accepted` drafts."""
+        backoff = self.backoff.setdefault(seq, Backoff())
+        backoff.misses = 0 if accepted else backoff.misses + 1
+        backoff.wait = min(2 ** backoff.misses // 2, MAX_BACKOFF)
+
+    def stats(self) -> dict:
+        return {"spec_decode_num_drafts": self.num_drafts,
+                "spec_decode_num_draft_tokens": self.num_draft_tokens,
+                "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
+                # tokens a sequence gets per verify: its accepted drafts and the target's own
+                "spec_decode_mean_accepted_length":
+                    1 + self.num_accepted_tokens / max(self.num_drafts, 1)}
