@@ -89,7 +89,7 @@ class LLM(contextlib.AbstractContextManager):  # `with LLM(...) as llm:` closes 
     def __init__(self, model: str, **kwargs):
         self.config = config = Config(model, **kwargs)
         if torch.distributed.is_initialized():
-            # layers shard over the default group (layers/linear.py): one LLM at a time
+            # tensor parallelism uses the default group (engine/tp.py): one LLM at a time
             raise RuntimeError(
                 "a torch.distributed process group is already open here: close the other LLM first")
         self.tokenizer = None

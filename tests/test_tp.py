@@ -9,6 +9,7 @@ import sys
 import time
 
 import pytest
+import safetensors.torch
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, Qwen3Config
 
@@ -110,6 +111,24 @@ def test_tp2_lora_matches_tp1(tiny_model, adapters, device):
     assert outs[1] == outs[0]
 
 
+def assert_rank0_share(llm, path):
+    """Rank 0's layers hold its share of the checkpoint: the first half of the heads (of Q, K, V:
+    4 and 2 heads of 32), of gate and up, of O's and down's columns, of the (tied) vocabulary."""
+    whole = safetensors.torch.load_file(os.path.join(path, "model.safetensors"))
+    layer = "model.layers.0."
+    attention, mlp = llm.runner.model.model.layers[0].self_attn, llm.runner.model.model.layers[0].mlp
+    assert (attention.num_heads, attention.num_kv_heads) == (2, 1) and llm.runner.kv_cache.shape[-2] == 1
+    q, k, v, o, gate, up, down = (whole[f"{layer}{name}.weight"] for name in (
+        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+        "mlp.up_proj", "mlp.down_proj"))
+    assert torch.equal(attention.qkv_proj.weight, torch.cat([q[:64], k[:32], v[:32]]))
+    assert torch.equal(attention.o_proj.weight, o[:, :64])
+    assert torch.equal(mlp.gate_up_proj.weight, torch.cat([gate[:64], up[:64]]))
+    assert torch.equal(mlp.down_proj.weight, down[:, :64])
+    embed = llm.runner.model.model.embed_tokens.weight
+    assert torch.equal(embed, whole["model.embed_tokens.weight"][:160]) and llm.runner.model.lm_head.weight is embed
+
+
 def test_start_close_twice_leaves_no_process(tiny_model):
     prompts = random_prompts([5, 20])
     outs = []
@@ -117,6 +136,7 @@ def test_start_close_twice_leaves_no_process(tiny_model):
         llm = LLM(tiny_model("qwen3"), tensor_parallel_size=2, kvcache_block_size=16, device="cpu")
         workers = list(llm.runner.procs)
         assert len(workers) == 1 and workers[0].is_alive()
+        assert_rank0_share(llm, tiny_model("qwen3"))
         outs.append(llm.generate(prompts, GREEDY, use_tqdm=False))
         # the layers shard over the process-wide default group: one tensor-parallel LLM at a time
         for tp in (1, 2):
@@ -130,6 +150,12 @@ def test_start_close_twice_leaves_no_process(tiny_model):
         with pytest.raises(RuntimeError, match="closed"):
             llm.generate(prompts, GREEDY, use_tqdm=False)
     assert outs[0] == outs[1]
+
+
+def test_heads_that_do_not_split_are_refused(tiny_model):
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=3 must divide the attention heads \(4\)"):
+        LLM(tiny_model("qwen3"), tensor_parallel_size=3, device="cpu")
+    assert not multiprocessing.active_children() and not torch.distributed.is_initialized()
 
 
 @pytest.mark.parametrize("when", ["between_steps", "mid_step"])

@@ -20,6 +20,9 @@ Attention holding views into it. Its size comes from memory: on CUDA, what is le
 `gpu_memory_utilization` after the weights and the activation peak of the largest prefill
 (measured by a warm-up run); on the CPU a modest 1 GiB at most.
 
+Tensor parallelism (engine/tp.py) runs a subclass on each rank: its own GPU, the model cut into
+the rank's share by an extension installed first, and the smallest rank's block count.
+
 Extensions (`RunnerExtension`, handed in by llm.py) change the runner from outside at four
 points: `install` swaps modules into the model once its weights are loaded (before the cache
 is sized and the graphs captured); `step_fields` and `graph_variants` add fields to the static
@@ -33,7 +36,6 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
-import torch.distributed as dist
 
 from nanograph.config import Config
 from nanograph.engine.cuda_graph import MIXED_PREFILL_CHUNKS, CudaGraphRunner
@@ -101,11 +103,9 @@ def to_host(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class ModelRunner:
-    def __init__(self, config: Config, rank=0, extensions: list[RunnerExtension] = ()):
+    def __init__(self, config: Config, extensions: list[RunnerExtension] = ()):
         self.config = config
         self.device = torch.device(config.device)
-        if self.device.type == "cuda" and config.tensor_parallel_size > 1:
-            self.device = torch.device("cuda", rank)  # one GPU per tensor-parallel rank
         self.block_size = config.kvcache_block_size
         torch.manual_seed(config.seed)
         default_dtype = torch.get_default_dtype()
@@ -151,27 +151,26 @@ class ModelRunner:
 
     # ---- KV cache ------------------------------------------------------------------------
     def allocate_kv_cache(self):
-        block_bytes = 2 * len(self.attention_layers) * self.config.kv_cache_torch_dtype.itemsize \
-            * math.prod(self.kv_block_shape)
-        num_blocks = self.config.num_kvcache_blocks
-        if num_blocks is None and self.device.type == "cuda":
-            peak = self.measure_activation_peak()
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = total * self.config.gpu_memory_utilization - (total - free) - peak
-            num_blocks = int(budget // block_bytes)
-        elif num_blocks is None:
-            needed = self.config.max_num_seqs * self.buffers.max_blocks
-            num_blocks = min(needed, CPU_KV_CACHE_BYTES // block_bytes)
-        # tensor parallel: the ranks share one block table, so the smallest cache wins
-        if dist.is_initialized():
-            t = torch.tensor([num_blocks], device=self.device)
-            dist.all_reduce(t, op=dist.ReduceOp.MIN)
-            num_blocks = int(t.item())
+        num_blocks = self.count_kv_blocks()
         if num_blocks < 1:
             raise ValueError("no memory for the KV cache: lower max_num_batched_tokens or "
                              "raise gpu_memory_utilization")
         self.bind_kv_cache(num_blocks)
         return num_blocks
+
+    def count_kv_blocks(self) -> int:
+        """How many blocks the KV cache gets: `num_kvcache_blocks`, or what memory allows."""
+        if self.config.num_kvcache_blocks is not None:
+            return self.config.num_kvcache_blocks
+        block_bytes = 2 * len(self.attention_layers) * self.config.kv_cache_torch_dtype.itemsize \
+            * math.prod(self.kv_block_shape)
+        if self.device.type == "cuda":
+            peak = self.measure_activation_peak()
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = total * self.config.gpu_memory_utilization - (total - free) - peak
+            return int(budget // block_bytes)
+        needed = self.config.max_num_seqs * self.buffers.max_blocks
+        return min(needed, CPU_KV_CACHE_BYTES // block_bytes)
 
     def bind_kv_cache(self, num_blocks):
         self.kv_cache = torch.zeros(2, len(self.attention_layers), num_blocks, *self.kv_block_shape,

@@ -2,12 +2,29 @@
 
 Process layout. Rank 0 lives in the user's process: it holds the scheduler, the block manager
 and the sampler, exactly as with one GPU. Ranks 1..N-1 are worker processes started with the
-"spawn" method (a forked CUDA context is unusable). Every rank holds one shard of the weights and
-of the KV cache (its own KV heads, see layers/linear.py) and runs every step's forward; the
-layers' collectives (two all-reduces per block, one for the embedding, an all-gather for the
-LM head) go through torch.distributed's default group: NCCL on CUDA, gloo on the CPU. As with
-any "spawn" child, a worker re-imports the user's main module: scripts that start a
-tensor-parallel LLM need the usual `if __name__ == "__main__":` guard.
+"spawn" method (a forked CUDA context is unusable). Every rank holds one share of the weights and
+of the KV cache (its own KV heads) and runs every step's forward; the collectives (two
+all-reduces per block, one for the embedding, an all-gather for the LM head) go through
+torch.distributed's default group: NCCL on CUDA, gloo on the CPU. As with any "spawn" child, a
+worker re-imports the user's main module: scripts that start a tensor-parallel LLM need the
+usual `if __name__ == "__main__":` guard.
+
+Cutting the model (Megatron's split, applied from outside as gpt-fast does). Each rank builds
+and loads the whole textbook model, then `cut_model` swaps its layers for their shares:
+- column-parallel (QKV, gate/up) keep their rows of each part: the rank's query heads and KV
+  heads (when there are fewer KV heads than ranks, the one its queries use), its slice of the
+  MLP. Attention then runs on the rank's heads alone; no communication;
+- row-parallel (O, down) keep their columns, so their product is a partial sum: `reduce`
+  all-reduces it, then adds the bias once;
+- the embedding and the LM head keep their rows of the vocabulary (split in equal parts, the
+  last zero-padded): the embedding looks up the ids it owns, zeros for the rest, all-reduced;
+  the head's logits are all-gathered.
+Loading whole and then cutting keeps the loader and the layers free of ranks, and checks a
+checkpoint exactly as one GPU does. Its cost: the whole model on every GPU while it is cut (an
+8B model in bf16: 16 GB, beside its shares, on an 80 GB GPU); the whole weights stay alive until
+every share is made, so the shares get fresh memory and the whole weights' memory comes back in
+whole blocks, returned to the driver before the KV cache is sized from free memory. A model too
+large for one GPU would need its shares cut as it loads instead.
 
 What is sent each step, and how. The rank-0 runner is a `ModelRunner` whose `run` first sends
 the step's `StepInput` (plain lists, pickled: step.py) to the workers over a second, gloo-only
@@ -23,9 +40,10 @@ not NCCL, so a worker waits for the next step on the host, without a GPU kernel,
 engine stays idle.
 
 Same ladder everywhere. A collective matches the calls of all ranks in order, so all ranks must
-run the same kernels: the same KV-cache size (ModelRunner takes the minimum over the ranks) and
-the same bucket ladder (CudaGraphRunner does too). Decode graphs are captured on every rank with
-their NCCL all-reduces inside; a rank replaying bucket 8 while another replays 16 would deadlock.
+run the same kernels: the same KV-cache size (`ShardedRunner` takes the minimum over the ranks)
+and the same bucket ladder (every rank computes it from the same config). Decode graphs are
+captured on every rank with their NCCL all-reduces inside; a rank replaying bucket 8 while
+another replays 16 would deadlock.
 
 Start, shutdown, failure. The parent opens a TCPStore on a free port and waits until each worker
 has reached it (a worker that crashes while starting is reported, not waited for), then all ranks
@@ -38,6 +56,7 @@ gloo a worker dying mid-step fails rank 0's next collective at once; either way 
 interrupted step the ranks can no longer be trusted to be in step). With NCCL a death in the
 middle of a step is only seen by NCCL's watchdog, after STEP_TIMEOUT: a bound, not a clean error.
 """
+import copy
 import datetime
 import os
 import signal
@@ -48,10 +67,13 @@ from multiprocessing.connection import wait
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
 
 from nanograph.config import Config
 from nanograph.engine.model_runner import ModelRunner, RunnerExtension
 from nanograph.engine.step import StepInput
+from nanograph.layers.linear import Linear
 
 # a collective inside a step (or start-up) waits at most this
 STEP_TIMEOUT = datetime.timedelta(minutes=10)
@@ -59,6 +81,121 @@ STEP_TIMEOUT = datetime.timedelta(minutes=10)
 IDLE_TIMEOUT = datetime.timedelta(days=365)
 
 
+# ---- the model, cut into this rank's share -----------------------------------------------------
+class ColumnParallelLinear(Linear):
+    """This rank's rows of each part of a whole layer, cut in whole units (a head: head_dim rows;
+    a row of the MLP). Rank r keeps units // ranks of a part's units, from unit r * units // ranks
+    on; a part with fewer units than ranks (KV heads) gives each rank one: the one its query
+    heads read."""
+
+    def __init__(self, whole: Linear, unit: int):
+        nn.Module.__init__(self)
+        rank, ranks = dist.get_rank(), dist.get_world_size()
+        # (first row in the part, rows kept) of each part
+        self.kept = [(rank * (size // unit) // ranks * unit, max(1, size // unit // ranks) * unit)
+                     for size in whole.part_sizes]
+        self.part_sizes = [rows for _, rows in self.kept]
+        # the rows kept, in the whole layer
+        kept_rows = torch.cat([torch.arange(part_start + first, part_start + first + rows)
+                               for part_start, (first, rows) in zip(whole.part_starts, self.kept)])
+        self.weight = nn.Parameter(whole.weight[kept_rows])
+        self.bias = None if whole.bias is None else nn.Parameter(whole.bias[kept_rows])
+
+    def shard_rows(self, tensor: torch.Tensor, part: int):
+        """This rank's rows of one part's whole tensor (an adapter's B)."""
+        first, rows = self.kept[part]
+        return tensor[first:first + rows]
+
+
+class RowParallelLinear(Linear):
+    """This rank's columns (input features) of a whole layer: its product is a partial sum."""
+
+    def __init__(self, whole: Linear):
+        nn.Module.__init__(self)
+        self.part_sizes = whole.part_sizes
+        self.weight = nn.Parameter(self.shard_columns(whole.weight).contiguous())
+        self.bias = whole.bias  # whole on every rank, added once, after the sum
+
+    def shard_columns(self, tensor: torch.Tensor):
+        """This rank's columns of a whole tensor (the weight, or an adapter's A)."""
+        return tensor.tensor_split(dist.get_world_size(), dim=1)[dist.get_rank()]
+
+    def forward(self, x):
+        return self.reduce(F.linear(x, self.weight))
+
+    def reduce(self, partial: torch.Tensor):
+        """The ranks' partial products summed (in place), then the bias."""
+        dist.all_reduce(partial)
+        return partial if self.bias is None else partial + self.bias
+
+
+def vocab_share(weight: nn.Parameter) -> nn.Parameter:
+    """This rank's rows of the vocabulary: ceil(vocab / ranks) of them, the last rank's padded."""
+    rank, ranks = dist.get_rank(), dist.get_world_size()
+    part = -(-weight.shape[0] // ranks)
+    rows = weight[rank * part:(rank + 1) * part]
+    return nn.Parameter(F.pad(rows, (0, 0, 0, part - rows.shape[0])))
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, share: nn.Parameter):
+        super().__init__()
+        self.weight = share
+        self.start = dist.get_rank() * share.shape[0]
+
+    def forward(self, ids):
+        """The ids this rank owns looked up, zeros for the others, summed over the ranks."""
+        mine = (ids >= self.start) & (ids < self.start + self.weight.shape[0])
+        embedded = F.embedding((ids - self.start) * mine, self.weight) * mine.unsqueeze(-1)
+        dist.all_reduce(embedded)
+        return embedded
+
+
+class VocabParallelLMHead(nn.Module):
+    def __init__(self, share: nn.Parameter, vocab_size: int):
+        super().__init__()
+        self.weight = share
+        self.vocab_size = vocab_size
+
+    def forward(self, hidden):
+        return self.gather(F.linear(hidden, self.weight))
+
+    def gather(self, logits: torch.Tensor):
+        """Every rank's slice of the vocabulary, concatenated; the padding cut off."""
+        parts = [torch.empty_like(logits) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, logits)
+        return torch.cat(parts, dim=-1)[..., :self.vocab_size]
+
+
+@torch.no_grad()
+def cut_model(model: nn.Module):
+    """Swap the loaded model's layers for this rank's shares (see above)."""
+    whole_weights = list(model.parameters())  # alive until every share is made (see above)
+    for layer in model.model.layers:
+        attention, mlp = layer.self_attn, layer.mlp
+        attention.qkv_proj = ColumnParallelLinear(attention.qkv_proj, attention.head_dim)
+        q_rows, kv_rows, _ = attention.qkv_proj.part_sizes
+        attention.num_heads = q_rows // attention.head_dim
+        attention.num_kv_heads = kv_rows // attention.head_dim
+        attention.o_proj = RowParallelLinear(attention.o_proj)
+        mlp.gate_up_proj = ColumnParallelLinear(mlp.gate_up_proj, 1)
+        mlp.down_proj = RowParallelLinear(mlp.down_proj)
+    embed, head = model.model.embed_tokens, model.lm_head
+    embed_share = vocab_share(embed.weight)
+    head_share = embed_share if head.weight is embed.weight else vocab_share(head.weight)
+    model.model.embed_tokens = VocabParallelEmbedding(embed_share)
+    model.lm_head = VocabParallelLMHead(head_share, head.weight.shape[0])
+    del whole_weights
+
+
+class CutModel(RunnerExtension):
+    """Installed first on every rank, so that the other extensions wrap the shares."""
+
+    def install(self, model: nn.Module):
+        cut_model(model)
+
+
+# ---- the processes -----------------------------------------------------------------------------
 def init_distributed(config: Config, rank: int, store: dist.Store):
     """Join the default group (model collectives)."""
     if (cuda := config.device.startswith("cuda")):
@@ -88,7 +225,7 @@ def worker_main(config: Config, rank: int, port: int, extensions: list[RunnerExt
                           is_master=False, timeout=STEP_TIMEOUT)
     store.add("workers_connected", 1)
     init_distributed(config, rank, store)
-    runner = ModelRunner(config, rank, extensions)  # the same extensions, installed here
+    runner = ShardedRunner(config, rank, extensions)  # the same extensions, installed here
     # for the per-step control messages
     group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
     while (step := broadcast_step(None, group)) is not None:
@@ -121,14 +258,37 @@ def shutdown(procs, group_ref, num_threads):
     torch.set_num_threads(num_threads)
 
 
-class TensorParallelRunner(ModelRunner):
-    """Rank 0: a ModelRunner for its own shard whose steps also go to the workers it drives."""
+class ShardedRunner(ModelRunner):
+    """One rank's runner: the rank's GPU, the model cut into its share, the smallest KV cache."""
+
+    def __init__(self, config: Config, rank: int, extensions: list[RunnerExtension] = ()):
+        if config.device.startswith("cuda"):
+            config = copy.copy(config)
+            config.device = f"cuda:{rank}"  # one GPU per rank
+        super().__init__(config, [CutModel(), *extensions])
+
+    def count_kv_blocks(self):
+        """The ranks share one block table, so the smallest cache wins."""
+        blocks = torch.tensor([super().count_kv_blocks()], device=self.device)
+        dist.all_reduce(blocks, op=dist.ReduceOp.MIN)
+        return int(blocks.item())
+
+
+class TensorParallelRunner(ShardedRunner):
+    """Rank 0: a ShardedRunner whose steps also go to the workers it drives."""
 
     def __init__(self, config: Config, extensions: list[RunnerExtension] = ()):
         n = config.tensor_parallel_size
         if config.device.startswith("cuda") and torch.cuda.device_count() < n:
             raise ValueError(
                 f"tensor_parallel_size={n} but only {torch.cuda.device_count()} GPUs are visible")
+        hf = config.hf_config
+        if (hf.num_attention_heads % n or hf.intermediate_size % n
+                or hf.num_key_value_heads % n and n % hf.num_key_value_heads):
+            raise ValueError(
+                f"tensor_parallel_size={n} must divide the attention heads "
+                f"({hf.num_attention_heads}) and the MLP width ({hf.intermediate_size}), and "
+                f"divide or be a multiple of the KV heads ({hf.num_key_value_heads})")
         self.group_ref = [None]
         store = dist.TCPStore("127.0.0.1", 0, n,
                               is_master=True,

@@ -1,16 +1,16 @@
 """The chain: the decoder stack and the LM head, swapped in on CUDA, falling back above 16 rows.
 
-`FastDecodeChain.install` replaces the model's `DecoderModel` and `ParallelLMHead` with
-subclasses built around the same modules (same parameters, same names), whose forward runs a
-step of up to MAX_ROWS tokens as below and any larger one through the textbook forward.
+`FastDecodeChain.install` replaces the model's `DecoderModel` and LM head with modules built
+around the same modules (same parameters), whose forward runs a step of up to MAX_ROWS tokens as
+below and any larger one through the textbook forward.
 
 A layer on the chain, with the residual stream r beside the hidden state x:
 
     QKV     gemv(x + r, normed by input_layernorm as it loads; writes x + r, the new r)
     attn    the textbook attention (kernels/paged_decode.py rotates, stores and attends)
-    O       gemv, then the all-reduce of a row-parallel layer
+    O       gemv, then the bias (a row-parallel layer's `reduce`: the all-reduce, then the bias)
     gate_up gemv(o + r, normed by post_attention_layernorm; SiLU(gate) * up at its end)
-    down    gemv, then the all-reduce
+    down    gemv, then the bias (or `reduce`)
 
 A deferred norm's residual output is a fresh buffer that the GEMV's first program fills. The
 kernel picks CUDA cores or tensor cores by rows: the GEMV reduces each row on CUDA cores, at
@@ -31,7 +31,6 @@ from torch import nn
 
 from nanograph.engine.model_runner import RunnerExtension
 from nanograph.kernels.gemv import gemv
-from nanograph.layers.embed_head import ParallelLMHead
 from nanograph.lora.layer import LoRALinear
 from nanograph.models.decoder import DecoderModel
 
@@ -103,13 +102,17 @@ class FastDecoderModel(DecoderModel):
         return y, (x if residual is None else residual_out)
 
     def product(self, linear, x, residual):
-        """A row-parallel layer's output (all-reduced, with its bias), and the h it folds for the
-        next product (None without)."""
+        """O's or down's output, and the h it folds for the next product (None without). Under
+        tensor parallelism the layer's `reduce` sums the ranks' partial products, then adds the
+        bias (engine/tp.py)."""
         lora, fold, gemv_lora = lora_of(linear), None, None
         if lora is not None:
             h, fold = lora.shrink(x, residual)
             gemv_lora = lora.gemv_lora(h)
-        return linear.reduce(self.gemv(x, linear, None, lora=gemv_lora)), fold
+        y = self.gemv(x, linear, None, lora=gemv_lora)
+        if hasattr(linear, "reduce"):
+            return linear.reduce(y), fold
+        return (y if linear.bias is None else y + linear.bias), fold
 
     def gemv(self, x, linear, bias, silu_and_mul=False, norm=None, residual=None,
              residual_out=None, lora=None):
@@ -122,17 +125,18 @@ class FastDecoderModel(DecoderModel):
                     tensor_cores=x.shape[0] > self.cuda_core_rows)
 
 
-class FastLMHead(ParallelLMHead):
-    """The textbook LM head's weight (tied or not), through the GEMV up to MAX_ROWS rows."""
+class FastLMHead(nn.Module):
+    """The textbook LM head (its weight tied or not), through the GEMV up to MAX_ROWS rows."""
 
-    def __init__(self, textbook: ParallelLMHead, cuda_core_rows: int):
-        nn.Module.__init__(self)
-        self.vocab_size, self.part, self.start = textbook.vocab_size, textbook.part, textbook.start
-        self.weight = textbook.weight
+    def __init__(self, textbook: nn.Module, cuda_core_rows: int):
+        super().__init__()
+        self.textbook = textbook
         self.cuda_core_rows = cuda_core_rows
 
     def forward(self, hidden):
         if hidden.shape[0] > MAX_ROWS:
-            return super().forward(hidden)
+            return self.textbook(hidden)
         tensor_cores = hidden.shape[0] > self.cuda_core_rows
-        return self.gather(gemv(hidden, self.weight, tensor_cores=tensor_cores))
+        logits = gemv(hidden, self.textbook.weight, tensor_cores=tensor_cores)
+        # a vocabulary-parallel head (engine/tp.py) gathers every rank's slice of the logits
+        return self.textbook.gather(logits) if hasattr(self.textbook, "gather") else logits

@@ -8,9 +8,10 @@ the *slots* (R = max_lora_rank):
 - `lora_b [slots, out, R]`: each output feature's row of the B of the part it belongs to, with
   the adapter's scaling folded in.
 A part the adapter does not target stays zero and adds nothing. Loading an adapter into a slot
-zeroes the slot, then cuts each layer's tensor-parallel share, as its weight_loader does for the
-weight: a column-parallel layer keeps all of A and its rows of B; a row-parallel layer keeps its
-columns of A and all of B, so its delta is a partial sum that the layer's all-reduce completes.
+zeroes the slot, then copies each part in; under tensor parallelism the base layer cuts this
+rank's share as it cut its weight (engine/tp.py): a column-parallel layer keeps all of A and its
+rows of B (`shard_rows`); a row-parallel layer keeps its columns of A (`shard_columns`) and all
+of B, so its delta is a partial sum that the layer's all-reduce (`reduce`) completes.
 
 Each row of a step names its slot (-1: the base model), and the step's rank is a rank bucket
 (slots.py); all LoRA layers read them from one `StepAdapters`, bound by the runner before each
@@ -45,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanograph.layers.linear import ColumnParallelLinear, RowParallelLinear, tp_rank, tp_size
+from nanograph.layers.linear import Linear
 from nanograph.lora.adapter import Adapter, adapter_weights
 
 
@@ -58,15 +59,19 @@ class StepAdapters:
 
 
 class LoRALinear(nn.Module):
-    """`base` (a column- or row-parallel linear layer) plus each row's LoRA delta. A producer of
-    a fold (see above) holds its consumer's folded A after its own parts."""
+    """`base` (a linear layer) plus each row's LoRA delta. A producer of a fold (see above) holds
+    its consumer's folded A after its own parts."""
 
-    def __init__(self, base: ColumnParallelLinear | RowParallelLinear, adapters: StepAdapters,
-                 max_loras: int, max_rank: int, fold_consumer: nn.Module | None = None):
+    def __init__(self, base: Linear, adapters: StepAdapters, max_loras: int, max_rank: int,
+                 fold_consumer: nn.Module | None = None):
         super().__init__()
         self.base = base
         self.adapters = adapters
-        self.row_parallel = isinstance(base, RowParallelLinear)
+        # a row-parallel layer (engine/tp.py): its product is a partial sum, all-reduced by
+        # `reduce`, which then adds the bias; the delta goes in before
+        self.row_parallel = hasattr(base, "reduce")
+        if self.row_parallel:
+            self.reduce = base.reduce
         self.part_starts = base.part_starts
         folded = [] if fold_consumer is None else [fold_consumer]
         parts = sum(len(m.part_starts) for m in [base, *folded])
@@ -81,10 +86,6 @@ class LoRALinear(nn.Module):
     @property
     def bias(self):
         return self.base.bias
-
-    def reduce(self, partial: torch.Tensor):
-        """A row-parallel layer's sum over the ranks and bias (layers/linear.py)."""
-        return self.base.reduce(partial)
 
     def forward(self, x):
         y = F.linear(x, self.weight, None if self.row_parallel else self.bias)
@@ -127,27 +128,28 @@ class LoRALinear(nn.Module):
         """What kernels/gemv.py (and bgmv's expand) take to add the delta B h."""
         return h, self.lora_b, self.adapters.slots, self.part_starts
 
-    def load(self, slot: int, shard_id, a: torch.Tensor, b: torch.Tensor):
+    def load(self, slot: int, part: int, a: torch.Tensor, b: torch.Tensor):
         """One part's A [r, in] and B [out, r] into `slot`: this rank's share, as for the weight."""
-        if self.row_parallel:  # its columns of A, all of B
-            columns = self.weight.shape[1]
-            self.lora_a[slot, 0, :a.shape[0], :columns] = a.tensor_split(tp_size(), 1)[tp_rank()]
-            self.lora_b[slot, :, :b.shape[1]] = b
-            return
-        offset, rows, start = self.base.shard_range(shard_id)  # all of A, its rows of B
-        self.lora_a[slot, self.part_starts.index(offset), :a.shape[0]] = a
-        self.lora_b[slot, offset:offset + rows, :b.shape[1]] = b[start:start + rows]
+        if hasattr(self.base, "shard_columns"):  # row-parallel: its columns of A, all of B
+            a = self.base.shard_columns(a)
+        if hasattr(self.base, "shard_rows"):  # column-parallel: all of A, its rows of B
+            b = self.base.shard_rows(b, part)
+        start = self.part_starts[part]
+        self.lora_a[slot, part, :a.shape[0], :a.shape[1]] = a
+        self.lora_b[slot, start:start + b.shape[0], :b.shape[1]] = b
 
 
 def fold_triples(model) -> list[tuple[nn.Module, nn.Module, nn.Module]]:
     """(producer, consumer, norm) of every fold: the consumer's input is norm(the producer's
-    output + the residual stream). Only with one rank, and a producer without bias."""
+    output + the residual stream). Only for a producer without bias whose output is whole: a
+    row-parallel producer's (engine/tp.py) is a partial sum."""
     layers = model.model.layers
     triples = [(layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.post_attention_layernorm)
                for layer in layers]
     triples += [(before.mlp.down_proj, after.self_attn.qkv_proj, after.input_layernorm)
                 for before, after in zip(layers, layers[1:])]
-    return [triple for triple in triples if triple[0].bias is None] if tp_size() == 1 else []
+    return [(producer, consumer, norm) for producer, consumer, norm in triples
+            if producer.bias is None and not hasattr(producer, "reduce")]
 
 
 @torch.no_grad()
@@ -158,9 +160,9 @@ def load_adapter(model, slot: int, adapter: Adapter, folds):
             layer.lora_a[slot], layer.lora_b[slot] = 0, 0
     for path, a, b in adapter_weights(adapter):
         parent, _, name = path.rpartition(".")
-        fused, shard_id = model.packed_modules.get(name, (name, None))
+        fused, part = model.packed_modules.get(name, (name, 0))
         layer = model.get_submodule(f"{parent}.{fused}")
-        layer.load(slot, shard_id, a, b)  # (cast to the slots' dtype as they are copied in)
+        layer.load(slot, part, a, b)  # (cast to the slots' dtype as they are copied in)
     # [A' (W + B A) | A'], A' = A diag(norm weight)
     for producer, consumer, norm in folds:
         in_features = producer.weight.shape[1]

@@ -13,7 +13,7 @@ tensor-parallel rank:
 - `bind` points the layers at the step's slots and rank bucket (the shape's variant).
 """
 from nanograph.engine.model_runner import RunnerExtension
-from nanograph.layers.linear import ColumnParallelLinear, RowParallelLinear
+from nanograph.layers.linear import Linear
 from nanograph.lora.layer import LoRALinear, StepAdapters, fold_triples, load_adapter
 from nanograph.lora.slots import rank_buckets
 
@@ -35,7 +35,7 @@ class LoRARunnerExtension(RunnerExtension):
         wrapped = {}
         for parent in list(model.model.layers.modules()):
             for name, child in list(parent.named_children()):
-                if isinstance(child, (ColumnParallelLinear, RowParallelLinear)):
+                if isinstance(child, Linear):
                     wrapped[child] = LoRALinear(child, self.adapters, self.max_loras,
                                                 self.max_rank, fold_consumer.get(child))
                     setattr(parent, name, wrapped[child])

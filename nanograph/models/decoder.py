@@ -20,9 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanograph.layers.attention import Attention
-from nanograph.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
-from nanograph.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
-                                     RowParallelLinear)
+from nanograph.layers.embed_head import Embedding
+from nanograph.layers.linear import Linear
 from nanograph.layers.norm import RMSNorm
 from nanograph.layers.rotary import RotaryEmbedding
 from nanograph.utils.compile import cuda_compiled
@@ -42,12 +41,12 @@ class DecoderAttention(nn.Module):
     def __init__(self, cfg, rope: RotaryEmbedding):
         super().__init__()
         self.head_dim = head_dim(cfg)
+        # (tensor parallelism leaves each rank its own heads: engine/tp.py)
+        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         bias = getattr(cfg, "attention_bias", cfg.model_type == "qwen2")
-        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, self.head_dim, cfg.num_attention_heads,
-                                          cfg.num_key_value_heads, bias)
-        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
-        self.o_proj = RowParallelLinear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size,
-                                        bias and cfg.model_type != "qwen2")
+        self.qkv_proj = Linear(cfg.hidden_size, [q_size, kv_size, kv_size], bias)
+        self.o_proj = Linear(q_size, [cfg.hidden_size], bias and cfg.model_type != "qwen2")
         # Qwen3's per-head qk-norm, applied (fused with rotary) by attn
         qk_norm = cfg.model_type == "qwen3"
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
@@ -68,9 +67,8 @@ class DecoderMLP(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         bias = getattr(cfg, "mlp_bias", False)
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size,
-                                                       [cfg.intermediate_size] * 2, bias)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias)
+        self.gate_up_proj = Linear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias)
+        self.down_proj = Linear(cfg.intermediate_size, [cfg.hidden_size], bias)
 
     def forward(self, x):
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -95,7 +93,7 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(self, cfg):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         rope = dict(getattr(cfg, "rope_parameters", None)
                     or getattr(cfg, "rope_scaling", None)
                     or {})
@@ -112,10 +110,10 @@ class DecoderModel(nn.Module):
 
 
 class DecoderForCausalLM(nn.Module):
-    # checkpoint name fragment -> (fused parameter fragment, shard id)
-    packed_modules = {"q_proj": ("qkv_proj", "q"),
-                      "k_proj": ("qkv_proj", "k"),
-                      "v_proj": ("qkv_proj", "v"),
+    # checkpoint name fragment -> (fused parameter fragment, part)
+    packed_modules = {"q_proj": ("qkv_proj", 0),
+                      "k_proj": ("qkv_proj", 1),
+                      "v_proj": ("qkv_proj", 2),
                       "gate_proj": ("gate_up_proj", 0),
                       "up_proj": ("gate_up_proj", 1)}
 
@@ -125,7 +123,7 @@ class DecoderForCausalLM(nn.Module):
             raise ValueError(
                 f"model_type {cfg.model_type!r} is not supported (llama, qwen2, qwen3 are)")
         self.model = DecoderModel(cfg)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+        self.lm_head = Linear(cfg.hidden_size, [cfg.vocab_size])
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

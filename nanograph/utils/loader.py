@@ -1,26 +1,25 @@
-"""Finding a checkpoint and loading its weights into the (possibly sharded) model.
+"""Finding a checkpoint and loading its weights into the model.
 
 A model is named by a local HF-format directory or a hub id. Hub ids go through
 huggingface_hub's normal cache (offline machines get a clear error). Weights stream out of the
 .safetensors files one tensor at a time (the files `model.safetensors.index.json` names, if
 there is one, as HF writes sharded checkpoints): each checkpoint name is mapped to its nanograph
-parameter (q/k/v -> the fused qkv_proj, gate/up -> gate_up_proj), and the parameter's own
-`weight_loader` copies in this rank's shard. `load_format="dummy"` fills random weights from
-config.json alone, for benchmarks of a model shape without its download.
+parameter (q/k/v -> the fused qkv_proj, gate/up -> gate_up_proj), and the fused parameter's
+`weight_loader` copies each part into its rows (layers/linear.py). `load_format="dummy"` fills
+random weights from config.json alone, for benchmarks of a model shape without its download.
 
 The load is strict, because a damaged checkpoint otherwise still "works": a parameter left
 unfilled keeps whatever memory it got, and the model answers with plausible-looking garbage.
 So every tensor the model needs must be in the files (each of q, k and v for a fused one), every
 tensor in the files must have a place (only rotary caches and the second copy of a tied LM head
 are known to be unused), shapes must match, and an unreadable file or absent shard is named.
-Each tensor-parallel rank checks its own parameters: its shares of a tensor must be cut out of it.
+Tensor parallelism loads the whole model on every rank too, then cuts it (engine/tp.py).
 """
 import glob
 import json
 import os
 
 import torch
-import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
@@ -53,16 +52,17 @@ def weight_files(model_dir: str) -> list[str]:
 
 
 def expected_tensors(model: nn.Module):
-    """Checkpoint name -> (the parameter it fills, shard id, the shape the model expects of it).
-    A fused parameter expects one tensor per shard; a tied LM head is listed once, as the
+    """Checkpoint name -> (the parameter it fills, part, the shape the model expects of it).
+    A fused parameter expects one tensor per part; a tied LM head is listed once, as the
     embedding."""
     expected = {}
     for name, param in model.named_parameters():
         module = model.get_submodule(name.rpartition(".")[0])
-        shards = {name.replace(f".{fused}.", f".{part}."):
-                  (param, shard, (module.shard_range(shard)[1], *param.shape[1:]))
-                  for part, (fused, shard) in model.packed_modules.items() if f".{fused}." in name}
-        expected.update(shards or {name: (param, None, tuple(param.shape))})
+        parts = {name.replace(f".{fused}.", f".{checkpoint_name}."):
+                 (param, part, (module.part_sizes[part], *param.shape[1:]))
+                 for checkpoint_name, (fused, part) in model.packed_modules.items()
+                 if f".{fused}." in name}
+        expected.update(parts or {name: (param, None, tuple(param.shape))})
     return expected
 
 
@@ -87,24 +87,19 @@ def load_weights(model: nn.Module, model_dir: str):
     aliases = ({n for n, _ in model.named_parameters(remove_duplicate=False)}
                - {n for n, _ in model.named_parameters()})
     seen = set()
-    sharded = dist.is_initialized() and dist.get_world_size() > 1
     for file in files:
         for name, tensor in read_tensors(file):
             seen.add(name)
             if name not in expected:
                 continue  # named below, unless known to be unused
-            param, shard, want = expected[name]
-            # a parameter without a weight_loader (a norm's weight) is not sharded: copied whole
-            loader = getattr(param, "weight_loader",
-                             lambda p, loaded, shard_id: p.data.copy_(loaded))
-            try:
-                if not sharded and tuple(tensor.shape) != want:
-                    raise RuntimeError
-                loader(param, tensor, shard)
-            except RuntimeError:  # with tensor parallelism: the rank's part does not fit
-                part = f" (tensor-parallel rank {dist.get_rank()}'s part)" if sharded else ""
+            param, part, want = expected[name]
+            if tuple(tensor.shape) != want:
                 raise ValueError(f"{name} in {file!r} has shape {tuple(tensor.shape)}; "
-                                 f"the model expects {want}{part}") from None
+                                 f"the model expects {want}")
+            if part is None:  # a whole parameter
+                param.data.copy_(tensor)
+            else:
+                param.weight_loader(param, tensor, part)
     # known to be unused: rotary caches, the tied head's second name
     unplaced = {n for n in seen - set(expected) - aliases if ".rotary_emb." not in n}
     for what, names in (("checkpoint tensor(s) the model has no place for", unplaced),
