@@ -250,7 +250,7 @@ class Scheduler:
         for (index, position), entry in zip(batch.prompt_positions, prompt_logprobs or ()):
             # (a recompute after preemption writes the same entries again)
             batch.seqs[index].prompt_logprobs[position + 1] = entry
-        for (seq, _, index), token in zip(batch.rows, sampled):
+        for (seq, _, index), token in zip(batch.rows, sampled) if batch.num_draft_tokens else ():
             live = seq.status != Status.FINISHED and index < len(seq)
             if live and 0 <= seq.token_ids[index] != token:  # a draft (>= 0), contradicted
                 self.reject_drafts(seq, index, token)
