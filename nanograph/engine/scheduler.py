@@ -176,7 +176,7 @@ class Scheduler:
         """The step of `decodes` and `prefills`, treated as computed: the slots table's say,
         counters advanced, a placeholder for each sampling row, forks forked."""
         proposed = self.drafter.propose(decodes, prefills) if self.drafter is not None else None
-        num_drafts = self.add_drafts(decodes, proposed or [])
+        num_drafts = self.add_drafts(decodes, proposed) if proposed else [0] * len(decodes)
         batch = Batch(seqs=decodes + [seq for seq, _ in prefills],
                       num_decodes=0 if any(num_drafts) else len(decodes),  # drafts: all chunks
                       num_tokens=[1 + n for n in num_drafts] + [chunk for _, chunk in prefills],
@@ -199,12 +199,14 @@ class Scheduler:
                 child.num_computed_tokens = seq.num_computed_tokens
                 child.status = Status.RUNNING
                 self.running.append(child)
-            # each draft's index: the token the one before it samples
-            batch.rows += [(seq, i, index) for index in range(len(seq) - num_drafts[i], len(seq))]
+            if num_drafts[i]:  # each draft's index: the token the one before it samples
+                batch.rows += [(seq, i, index)
+                               for index in range(len(seq) - num_drafts[i], len(seq))]
             for sampler in [seq, *seq.forks]:
                 sampler.token_ids.append(-1 - len(batch.rows))
-                batch.rows.append((sampler, i, len(sampler) - 1))
-                if self.at_length_limit(sampler, len(sampler) - num_drafts[i]):
+                length = len(sampler.token_ids)
+                batch.rows.append((sampler, i, length - 1))
+                if self.at_length_limit(sampler, length - num_drafts[i]):
                     self.running.remove(sampler)  # its last token is decided: finishes in update()
             seq.forks = []
         return batch
@@ -265,7 +267,7 @@ class Scheduler:
             if seq.status == Status.FINISHED:
                 self.num_discarded_tokens += 1  # stopped by a token one step late (or a draft's)
                 continue
-            if index >= len(seq):
+            if index >= len(seq.token_ids):
                 continue  # the check of a draft after a rejected one
             seq.token_ids[index] = token
             if seq.logprobs is not None:
