@@ -59,8 +59,10 @@ def mechanics(setup: Setup, batches, acceptances, prompt_len, new_tokens) -> lis
         references[batch] = [p + o for p, o in zip(prompts, outs)]
     vocab = plain.config.hf_config.vocab_size
     plain.close()
+    # drafts at every batch: these rows measure the verify mechanics, not the switch-off rule
     spec = setup.llm(max_model_len=max_len,
-                     speculative_config={"method": "ngram", "num_speculative_tokens": SPEC_K})
+                     speculative_config={"method": "ngram", "num_speculative_tokens": SPEC_K,
+                                         "disable_by_batch_size": max(batches)})
     rows = []
     for batch in batches:
         for acceptance in acceptances:

@@ -16,7 +16,9 @@ from nanograph.engine.sequence import Sequence, Status
 from nanograph.spec.drafter import NgramDrafter, SpeculativeConfig
 
 DEMO = str(Path(__file__).resolve().parents[1] / "nanograph" / "pretrained" / "pycoder")
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+# drafts on up to 32 decode rows (the default, 2, would leave most of these batches without any)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
+         "disable_by_batch_size": 32}
 # repetitive Python: the demo model repeats itself, prompt lookup guesses it
 PYTHON = ["def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n",
           "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n\n",
