@@ -37,7 +37,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
-    disable_by_batch_size: int = 2  # measured: 1.58x at 1 row, 0.39x at 4 (performance.md)
+    disable_by_batch_size: int = 2  # where drafts stop paying: docs/performance.md
     method: str = "ngram"
 
     @classmethod
