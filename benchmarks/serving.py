@@ -75,9 +75,9 @@ class RuleScheduler(Scheduler):
         if not self.prefill_first:
             return super().schedule()
         if (prefills := self.schedule_prefills(self.max_num_batched_tokens)):
-            return self.account([], prefills)
+            return self.commit([], prefills)
         decodes = self.schedule_decodes()
-        return self.account(decodes, []) if decodes else None
+        return self.commit(decodes, []) if decodes else None
 
 
 # ---- what a client sees ------------------------------------------------------------------------

@@ -15,10 +15,12 @@ from transformers import AutoConfig
 from nanograph.sampling_params import is_int, is_number
 from nanograph.utils.loader import resolve_model_dir
 
-DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16,
-          "half": torch.float16, "bfloat16": torch.bfloat16}
-COUNTS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_num_mixed_tokens",
-          "kvcache_block_size", "tensor_parallel_size", "max_loras", "max_lora_rank", "seed")
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # by torch's names ("half" too)
+# the integer knobs and their least value
+COUNTS = {"max_model_len": 1, "max_num_seqs": 1, "max_num_batched_tokens": 1,
+          "max_num_mixed_tokens": 1, "kvcache_block_size": 16, "tensor_parallel_size": 1,
+          "max_loras": 1, "max_lora_rank": 1, "seed": 0,
+          "num_kvcache_blocks": 1, "cuda_graph_max_bs": 0}
 OPTIONAL_COUNTS = ("num_kvcache_blocks", "cuda_graph_max_bs")  # (None: sized from memory)
 
 
@@ -56,10 +58,12 @@ class Config:
         if self.block_size is not None:
             self.kvcache_block_size = self.block_size
         self.block_size = self.kvcache_block_size
-        for name in COUNTS + OPTIONAL_COUNTS:
+        for name, least in COUNTS.items():
             value = getattr(self, name)
-            if not is_int(value) and not (value is None and name in OPTIONAL_COUNTS):
-                raise ValueError(f"{name} must be an integer, got {value!r}")
+            if value is None and name in OPTIONAL_COUNTS:
+                continue
+            if not is_int(value) or value < least:
+                raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
         self.device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device={self.device!r}, but CUDA is not available here")
@@ -69,14 +73,8 @@ class Config:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         bs = self.kvcache_block_size
-        if not 16 <= bs <= 256 or bs & (bs - 1):
+        if bs > 256 or bs & (bs - 1):
             raise ValueError(f"kvcache_block_size must be a power of two in [16, 256], got {bs}")
-        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens",
-                     "max_num_mixed_tokens", "tensor_parallel_size", "max_loras", "max_lora_rank",
-                     "num_kvcache_blocks"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
         if not is_number(self.gpu_memory_utilization) or not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
@@ -117,7 +115,8 @@ class Config:
                 or getattr(self.hf_config, "torch_dtype", None)
             half = dtype if dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
             return half if self.device.startswith("cuda") else torch.float32
-        dtype = DTYPES.get(str(self.dtype).replace("torch.", ""))
-        if dtype is None:
-            raise ValueError(f"dtype must be 'auto' or one of {tuple(DTYPES)}, got {self.dtype!r}")
+        dtype = getattr(torch, str(self.dtype).removeprefix("torch."), None)
+        if dtype not in DTYPES:
+            raise ValueError("dtype must be 'auto' or one of float32, float16, bfloat16, "
+                             f"got {self.dtype!r}")
         return dtype

@@ -34,8 +34,8 @@ off there by default.
 
 Extensions. `install_extensions` is the one place that names them: LoRA (lora/) hands its slot
 table to the scheduler and its runner extension to the runner; the batch-1 chain (fast/) is a
-runner extension on CUDA; speculative decoding (spec/) hands the scheduler its drafter and the
-runner its verify graphs; tensor parallelism (engine/tp.py) replaces the runner. The rest of the
+runner extension on CUDA; speculative decoding (spec/) replaces the scheduler with its own and
+hands the runner its verify graphs; tensor parallelism (engine/tp.py) replaces the runner. The rest of the
 engine calls them through the scheduler's and the runner's hooks and imports none of them.
 """
 import contextlib
@@ -47,6 +47,7 @@ from pathlib import Path
 
 import torch
 import xxhash
+from jinja2 import TemplateError
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer, GenerationConfig
 
@@ -85,13 +86,26 @@ def install_extensions(config: Config) \
     return lora, spec, extensions
 
 
+def chat_prompt(tokenizer, conversation: list[dict],
+                chat_template_kwargs: dict | None = None) -> list[int]:
+    """A conversation's token ids: the tokenizer's chat template, with the assistant's turn
+    opened. ValueError when there is no template, or it fails on the conversation (an unknown
+    role, kwargs it does not take)."""
+    if not getattr(tokenizer, "chat_template", None):  # (no tokenizer: None has none)
+        raise ValueError("the model has no chat template: send a plain prompt instead")
+    try:
+        text = tokenizer.apply_chat_template(conversation,
+                                             tokenize=False,
+                                             add_generation_prompt=True,
+                                             **(chat_template_kwargs or {}))
+    except (TemplateError, TypeError) as e:
+        raise ValueError(f"the chat template failed on this conversation: {e}") from None
+    return tokenizer.encode(text, add_special_tokens=False)  # the template has them
+
+
 class LLM(contextlib.AbstractContextManager):  # `with LLM(...) as llm:` closes it at the end
     def __init__(self, model: str, **kwargs):
         self.config = config = Config(model, **kwargs)
-        if torch.distributed.is_initialized():
-            # tensor parallelism uses the default group (engine/tp.py): one LLM at a time
-            raise RuntimeError(
-                "a torch.distributed process group is already open here: close the other LLM first")
         self.tokenizer = None
         tokenizer_files = ("tokenizer.json", "tokenizer_config.json")
         if any(Path(config.model_dir, f).exists() for f in tokenizer_files):
@@ -103,13 +117,13 @@ class LLM(contextlib.AbstractContextManager):  # `with LLM(...) as llm:` closes 
             self.runner = ModelRunner(config, extensions=extensions)
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.kvcache_block_size,
                                           config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager,
-                                   max_num_seqs=config.max_num_seqs,
-                                   max_num_batched_tokens=config.max_num_batched_tokens,
-                                   max_num_mixed_tokens=config.max_num_mixed_tokens,
-                                   max_model_len=config.max_model_len,
-                                   slots=self.lora and self.lora.slots,
-                                   drafter=self.spec and self.spec.drafter)
+        make_scheduler = Scheduler if self.spec is None else self.spec.scheduler
+        self.scheduler = make_scheduler(self.block_manager,
+                                        max_num_seqs=config.max_num_seqs,
+                                        max_num_batched_tokens=config.max_num_batched_tokens,
+                                        max_num_mixed_tokens=config.max_num_mixed_tokens,
+                                        max_model_len=config.max_model_len,
+                                        slots=self.lora and self.lora.slots)
         self.eos_ids = self._eos_ids()
         self.requests: dict[int, Request] = {}   # unfinished (and aborted, until reported), by id
         self.in_flight: deque[InFlight] = deque()
@@ -161,7 +175,8 @@ class LLM(contextlib.AbstractContextManager):  # `with LLM(...) as llm:` closes 
                     f"{name}: text prompt but model {cfg.model!r} has no tokenizer; pass token ids")
             prompt = self.tokenizer.encode(prompt)
         if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) for t in prompt):
-            raise ValueError(f"{name}: a prompt must be a str or a list of int token ids")
+            raise ValueError(f"{name}: a prompt must be a str or a list of int token ids "
+                             "(one tokenized prompt is given to generate as [ids])")
         if not prompt:
             raise ValueError(f"{name}: empty prompt")
         vocab = cfg.hf_config.vocab_size
@@ -180,25 +195,17 @@ class LLM(contextlib.AbstractContextManager):  # `with LLM(...) as llm:` closes 
         if any(t >= vocab for t in params.stop_token_ids or ()):
             raise ValueError(f"{name}: stop_token_ids {params.stop_token_ids} "
                              f"outside the vocabulary [0, {vocab})")
-        for knob in ("logprobs", "prompt_logprobs"):
-            if (getattr(params, knob) or 0) > vocab:
-                raise ValueError(f"{name}: {knob}={getattr(params, knob)} is above the "
-                                 f"vocabulary size {vocab}")
-        if params.n > cfg.max_num_seqs:
-            raise ValueError(
-                f"{name}: n={params.n} completions but max_num_seqs={cfg.max_num_seqs}")
+        if max(params.logprobs or 0, params.prompt_logprobs or 0) > vocab:
+            raise ValueError(f"{name}: logprobs={params.logprobs}, prompt_logprobs="
+                             f"{params.prompt_logprobs}: more than the vocabulary's {vocab}")
         if params.stop and self.tokenizer is None:
             raise ValueError(
                 f"{name}: stop strings need a tokenizer, and model {cfg.model!r} has none")
-        block_size = cfg.kvcache_block_size
         longest = min(len(prompt) + params.max_tokens, cfg.max_model_len)
-        # one sequence at its longest, and the prompt's full blocks with a partial last block for
-        # each completion (a fork copies the first one's)
-        partial = len(prompt) % block_size > 0
-        blocks = max(-(-longest // block_size), len(prompt) // block_size + params.n * partial)
+        blocks = -(-longest // cfg.kvcache_block_size)  # one completion alone, at its longest
         if blocks > self.runner.num_kv_blocks:
             raise ValueError(
-                f"{name}: needs up to {blocks} KV blocks ({longest} tokens, n={params.n}) "
+                f"{name}: needs up to {blocks} KV blocks ({longest} tokens) "
                 f"but the cache has {self.runner.num_kv_blocks}; it could never run")
 
     def _make_request(self, name: str, prompt, params: SamplingParams | None,
@@ -230,7 +237,9 @@ class LLM(contextlib.AbstractContextManager):  # `with LLM(...) as llm:` closes 
                                  request_id=request_id,
                                  adapter=adapter,
                                  cache_salt=0 if adapter is None else adapter.cache_salt))
-        seqs[0].forks = seqs[1:]  # computed once by the first, then forked (scheduler.py)
+        seqs[0].forks = seqs[1:]  # they start once the first has computed the prompt (scheduler.py)
+        for fork in seqs[1:]:
+            fork.prompt_logprobs = None  # (the first's are the request's)
         request = Request(request_id, prompt, seqs, self.tokenizer)
         self.scheduler.waiting.append(seqs[0])
         self.requests[request_id] = request
@@ -263,19 +272,6 @@ class LLM(contextlib.AbstractContextManager):  # `with LLM(...) as llm:` closes 
     def get_tokenizer(self):
         """The model's tokenizer (transformers'), None for a model without one."""
         return self.tokenizer
-
-    def chat_prompt(self, conversation: list[dict],
-                    chat_template_kwargs: dict | None = None) -> list[int]:
-        """A conversation's token ids: the tokenizer's chat template, with the assistant's turn
-        opened."""
-        if not getattr(self.tokenizer, "chat_template", None):  # (no tokenizer: None has none)
-            raise ValueError(
-                f"model {self.config.model!r} has no chat template in its tokenizer: use generate")
-        text = self.tokenizer.apply_chat_template(conversation,
-                                                  tokenize=False,
-                                                  add_generation_prompt=True,
-                                                  **(chat_template_kwargs or {}))
-        return self.tokenizer.encode(text, add_special_tokens=False)  # the template has them
 
     # ---- running ----------------------------------------------------------------------------
     def step(self) -> list[dict]:
@@ -326,9 +322,6 @@ class LLM(contextlib.AbstractContextManager):  # `with LLM(...) as llm:` closes 
                     "step them to the end or abort them before generate")
             if isinstance(prompts, str):
                 prompts = [prompts]  # one prompt, as vLLM takes it
-            if prompts and isinstance(prompts[0], int):
-                raise ValueError("prompts must be a str or a list of prompts (str or list of "
-                                 "token ids); one tokenized prompt is [ids]")
             per_prompt = []  # the sampling params and the lora requests: one for all, or one each
             for name, value in (("sampling params", sampling_params),
                                 ("lora requests", lora_request)):
@@ -357,7 +350,7 @@ class LLM(contextlib.AbstractContextManager):  # `with LLM(...) as llm:` closes 
         """generate() on conversations (one: a list of {"role", "content"} dicts; or a list of them)
         through the tokenizer's chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.chat_prompt(conversation, chat_template_kwargs)
+        prompts = [chat_prompt(self.tokenizer, conversation, chat_template_kwargs)
                    for conversation in conversations]
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 

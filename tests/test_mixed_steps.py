@@ -133,7 +133,6 @@ def test_a_second_thread_gets_a_clear_error(tiny_model):
     ("text", None, "has no tokenizer"),
     ([1, 2], "greedy", "must be a SamplingParams"),
     ([1, 2], SamplingParams(stop_token_ids=[400]), "stop_token_ids"),
-    ([1, 2], SamplingParams(n=9), "n=9 completions but max_num_seqs=8"),
     ([1, 2], SamplingParams(stop=["x"]), "stop strings need a tokenizer"),
     ([1] * 100, SamplingParams(max_tokens=200), "could never run"),
 ])

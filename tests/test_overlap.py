@@ -13,7 +13,7 @@ from nanograph import LLM, SamplingParams
 from nanograph.engine.block_manager import BlockManager
 from nanograph.engine.scheduler import Scheduler
 from nanograph.engine.sequence import Sequence, Status
-from nanograph.engine.step import TokenTable, build_step
+from nanograph.engine.step import build_step, resolve_placeholders
 from test_engine import assert_all_blocks_free, random_prompts
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -110,12 +110,11 @@ def test_placeholders_are_filled_and_late_stops_dropped():
     assert sched.block_manager.num_free_blocks == 8
 
 
-def test_token_table_resolves_placeholders_on_the_device():
-    table = TokenTable(vocab_size=10, max_rows=4, device="cpu")
+def test_placeholders_resolve_to_the_last_step_s_rows_on_the_device():
+    last_sampled = torch.tensor([50, 51, 52, 0])  # a step's rows 0, 1, 2 (and one padding)
     ids = torch.tensor([7, -1, -3, 0, -2], dtype=torch.int32)
-    table.put(torch.tensor([50, 51, 52]))         # a step's rows 0, 1, 2
-    assert table.resolve(ids).tolist() == [7, 50, 52, 0, 51]
-    assert table.resolve(torch.arange(10)).tolist() == list(range(10))
+    assert resolve_placeholders(ids, last_sampled).tolist() == [7, 50, 52, 0, 51]
+    assert resolve_placeholders(torch.arange(10), last_sampled).tolist() == list(range(10))
 
 
 @pytest.mark.parametrize("overlap", [False, True])

@@ -102,9 +102,13 @@ def test_n_completions_share_one_computed_prompt(text_model):
     params = SamplingParams(n=4, seed=7, temperature=1.0, max_tokens=10, ignore_eos=True)
     llm = engine(path)
     rid = llm.add_request(prompt, params)
-    llm.step()  # the prompt's step: computed once, its blocks shared, the partial one copied
-    assert len(llm.block_manager.blocks) - llm.block_manager.num_free_blocks == 3 + 3
+    llm.step()  # the prompt's step: the first completion computes it, alone
     assert llm.stats()["steps"] == {"prefill": 1}
+    assert len(llm.block_manager.blocks) - llm.block_manager.num_free_blocks == 3
+    llm.step()  # the others start from its 2 cached blocks: each computes the last 8 tokens
+    assert llm.stats()["prefix_cache_hit_tokens"] == 3 * 32
+    assert llm.stats()["steps"] == {"prefill": 1, "mixed": 1}
+    assert len(llm.block_manager.blocks) - llm.block_manager.num_free_blocks == 3 + 3
     out = run_until_done(llm)[rid]
     completions = [o["token_ids"] for o in out["outputs"]]
     assert out["token_ids"] == completions[0] and len(completions) == 4

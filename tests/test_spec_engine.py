@@ -2,7 +2,7 @@
 decoding's, token for token, whatever else is on: greedy on the demo model and on HF's tiny
 models, seeded sampling with top-k / top-p, min_tokens, logprobs, stop strings and stop ids,
 n > 1, preemption, prefix hits, chunked prefill, overlap scheduling. Rollback leaves the block
-tables and the prefix cache holding accepted tokens only. (acceptance.py's own maths:
+tables and the prefix cache holding accepted tokens only. (Prompt lookup itself:
 tests/test_spec.py.)"""
 from pathlib import Path
 
@@ -80,7 +80,7 @@ def test_greedy_on_hf_tiny_models_equals_hf(tiny_model, family):
 
 def test_sampling_filters_logprobs_n_and_stops_give_plain_decoding_s_results():
     """Drafts from prompt lookup are deterministic: each emitted token is what plain sampling
-    draws at its index (acceptance.py), so seeded and unseeded requests, top-k / top-p,
+    draws at its index (spec/verify.py), so seeded and unseeded requests, top-k / top-p,
     min_tokens, logprobs and n > 1 give exactly plain decoding's results; a stop string or a
     stop id in the middle of a run of accepted drafts ends the output where plain decoding's
     ends (the drafts after it go, with their logprobs)."""
@@ -212,12 +212,20 @@ def test_verify_graphs_match_eager_verify_and_plain_greedy_on_the_demo_model():
     assert results["graphs"] == results["eager"] == results["plain"]
 
 
-def test_the_server_takes_the_config_as_json():
+def test_the_server_takes_the_config_as_json_and_exports_the_counters():
     pytest.importorskip("uvicorn")
     from nanograph.serve.cli import parse_args
-    from nanograph.serve.metrics import STATS_GAUGES
+    from nanograph.serve.metrics import Metrics
     _, knobs, _ = parse_args(["model", "--speculative-config",
                               '{"method": "ngram", "num_speculative_tokens": 3}'])
     assert knobs["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 3}
-    assert {"spec_decode_num_drafts", "spec_decode_num_draft_tokens",
-            "spec_decode_num_accepted_tokens"} <= set(STATS_GAUGES)
+    llm = LLM(str(DEMO), **KNOBS, speculative_config=knobs["speculative_config"])
+    llm.generate([PYTHON[0] * 2], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
+    metrics = Metrics("demo")
+    metrics.update(llm, now=0.0)
+    exposition = metrics.exposition().decode()
+    drafts = llm.stats()["spec_decode_num_drafts"]
+    assert drafts > 0 and f'nanograph:spec_decode_num_drafts{{model_name="demo"}} {float(drafts)}' \
+        in exposition
+    for name in ("spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens"):
+        assert f"nanograph:{name}{{" in exposition

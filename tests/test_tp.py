@@ -139,9 +139,12 @@ def test_start_close_twice_leaves_no_process(tiny_model):
         assert_rank0_share(llm, tiny_model("qwen3"))
         outs.append(llm.generate(prompts, GREEDY, use_tqdm=False))
         # the layers shard over the process-wide default group: one tensor-parallel LLM at a time
-        for tp in (1, 2):
-            with pytest.raises(RuntimeError, match="close the other LLM first"):
-                LLM(tiny_model("qwen3"), tensor_parallel_size=tp, kvcache_block_size=16, device="cpu")
+        with pytest.raises(RuntimeError, match="close the other tensor-parallel LLM first"):
+            LLM(tiny_model("qwen3"), tensor_parallel_size=2, kvcache_block_size=16, device="cpu")
+        # (one without tensor parallelism uses no group: it runs beside)
+        single = LLM(tiny_model("qwen3"), kvcache_block_size=16, device="cpu")
+        assert single.generate(prompts, GREEDY, use_tqdm=False) == outs[-1]
+        single.close()
         assert llm.generate(prompts, GREEDY, use_tqdm=False) == outs[-1]
         llm.close()
         llm.close()  # idempotent

@@ -46,12 +46,12 @@ def test_unknown_model_path_and_bad_knobs(tmp_path, tiny_model):
         LLM("nanograph-test/definitely-not-a-model")
     with pytest.raises(ValueError, match="kvcache_block_size must be a power of two"):
         LLM(tiny_model("qwen3"), kvcache_block_size=24)
-    with pytest.raises(ValueError, match="max_lora_rank must be >= 1"):
+    with pytest.raises(ValueError, match="max_lora_rank must be an integer >= 1"):
         LLM(tiny_model("qwen3"), max_lora_rank=0)
 
 
 @pytest.mark.parametrize("knobs, message", [
-    (dict(max_model_len="big"), "max_model_len must be an integer, got 'big'"),
+    (dict(max_model_len="big"), "max_model_len must be an integer >= 1, got 'big'"),
     (dict(num_kvcache_blocks=2.5), "num_kvcache_blocks must be an integer"),
     (dict(dtype="int8"), "dtype must be 'auto' or one of"),
     (dict(gpu_memory_utilization="0.9"), "gpu_memory_utilization must be in"),

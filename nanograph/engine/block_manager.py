@@ -69,8 +69,7 @@ class BlockManager:
         return self.blocks[block_id]
 
     def allocate(self, seq: Sequence):
-        """Give `seq` blocks for all its tokens, sharing the longest cached prefix (and its forks
-        theirs)."""
+        """Give `seq` blocks for all its tokens, sharing the longest cached prefix."""
         assert not seq.block_table
         prefix_hash = seq.cache_salt
         use_cache = seq.prompt_logprobs is None
@@ -88,10 +87,6 @@ class BlockManager:
         seq.num_computed_tokens = min(hits * self.block_size, len(seq) - 1)
         seq.num_hashed_blocks = hits
         self.cache_hit_tokens += seq.num_computed_tokens
-        # the forks of an n > 1 request (the other completions) each take a block of their own
-        # for the prompt's partial last block, copied to them when they fork
-        for child in seq.forks if seq.num_prompt_tokens % self.block_size else ():
-            child.block_table = [self._take_free_block()]
 
     def register_computed_blocks(self, seq: Sequence, num_computed):
         """Enter the blocks of `seq` that its first `num_computed` tokens fill into the prefix
@@ -117,18 +112,6 @@ class BlockManager:
                 self.free_block_ids.append(block_id)
         del seq.block_table[keep:]
         seq.num_hashed_blocks = min(seq.num_hashed_blocks, keep)
-
-    def fork(self, parent: Sequence, child: Sequence):
-        """Share the parent's full prompt blocks with `child` (reference counts). Returns the
-        copies the caller must make: [(parent's, child's) partial last block], or none."""
-        full = parent.num_prompt_tokens // self.block_size
-        for block_id in parent.block_table[:full]:
-            self.blocks[block_id].ref_count += 1
-        child.block_table = parent.block_table[:full] + child.block_table  # + its reserved block
-        child.num_hashed_blocks = min(parent.num_hashed_blocks, full)
-        if len(child.block_table) > full:
-            return [(parent.block_table[full], child.block_table[full])]
-        return []
 
     def append_slot(self, seq: Sequence):
         """Make room for the token decode writes next (token len-1): a new block when that token

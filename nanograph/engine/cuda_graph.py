@@ -47,8 +47,8 @@ counted (`stats()`): the hit rates and the padding waste (padded rows or tokens 
 what the graphs cost and buy. Every tensor-parallel rank computes the same graphs from the same
 config and picks the same one for a step, as its collectives require.
 
-Inside a graph the sampler runs too (layers/sampler.py): the sampled ids go straight into the
-token table for the next step. What runs outside: filling the host mirror and its copy, the
+Inside a graph the sampler runs too (layers/sampler.py): the sampled ids stay in the runner's
+buffer, where the next step resolves its placeholders. What runs outside: filling the host mirror and its copy, the
 copy of the ids back to the host, and only where a row asks for them, top-k / top-p, the
 min_tokens mask and logprobs, on the graph's logits (model_runner.py).
 """

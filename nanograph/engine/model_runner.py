@@ -5,7 +5,7 @@ A step goes: the scheduler's `Batch` -> `StepInput` -> the static `StepBuffers` 
 run eagerly with the step's exact shape: the same code either way -> logits of each sampling
 row's token -> sampled ids. It is split in two halves so the host never waits inside a step:
 - `launch` queues all of that on the GPU and returns at once: the inputs go up with one
-  non-blocking copy from pinned memory, the sampled ids stay on the device (in the token table,
+  non-blocking copy from pinned memory, the sampled ids stay on the device (in `sampled`,
   where the next step's placeholders are resolved) and start a non-blocking copy back into a
   pinned host tensor, followed by an event. The sampler runs inside `forward`; only a step with
   a row that asks for top-k / top-p or a min_tokens mask samples again on the logits after it,
@@ -33,15 +33,15 @@ views of the buffers. The runner calls them there and knows nothing else of them
 """
 import math
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 
 from nanograph.config import Config
 from nanograph.engine.cuda_graph import MIXED_PREFILL_CHUNKS, CudaGraphRunner
 from nanograph.engine.scheduler import Batch
-from nanograph.engine.step import StepBuffers, StepInput, StepShape, TokenTable, build_step
-from nanograph.layers.sampler import sample, sample_softmax, top_logprobs
+from nanograph.engine.step import (StepBuffers, StepInput, StepShape, build_step,
+                                   resolve_placeholders)
+from nanograph.layers.sampler import Logprobs, sample, sample_softmax, top_logprobs
 from nanograph.models.decoder import DecoderForCausalLM
 from nanograph.utils.context import AttentionInputs, StepMetadata, set_step_metadata
 from nanograph.utils.loader import init_dummy_weights, load_weights
@@ -66,13 +66,6 @@ class RunnerExtension:
 
     def bind(self, inputs: dict[str, torch.Tensor], shape: StepShape):
         """In `forward`, before the model: the step's shape and its views of the buffers."""
-
-
-class Logprobs(NamedTuple):
-    """A step's log-probabilities (layers/sampler.py's top_logprobs)."""
-    sampled: torch.Tensor      # [rows] each row's sampled token's
-    top_values: torch.Tensor   # [rows, N] the N most likely tokens'
-    top_ids: torch.Tensor      # [rows, N] and their ids
 
 
 @dataclass
@@ -107,7 +100,6 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(config.device)
         self.block_size = config.kvcache_block_size
-        torch.manual_seed(config.seed)
         default_dtype = torch.get_default_dtype()
         # build the weights in their final dtype directly
         torch.set_default_dtype(config.torch_dtype)
@@ -138,7 +130,6 @@ class ModelRunner:
         vocab = config.hf_config.vocab_size
         self.logits = torch.empty(max_rows, vocab, dtype=config.torch_dtype, device=self.device)
         self.sampled = torch.zeros(max_rows, dtype=torch.int64, device=self.device)
-        self.tokens = TokenTable(vocab, max_rows, self.device)
         # "no graphs" has one spelling: this stays None (run works before capture)
         self.graphs = None
         self.num_kv_blocks = self.allocate_kv_cache()
@@ -211,8 +202,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, shape: StepShape):
         """The step laid out by `shape` in the static buffers: the model, then the logits and
-        sampled ids of its sampling rows (into `self.logits` / `self.sampled`, and the token
-        table). What a CUDA graph records and replays."""
+        sampled ids of its sampling rows (into `self.logits` / `self.sampled`, where the next step's
+        placeholders find them). What a CUDA graph records and replays."""
         inputs = self.buffers.views(shape)
         decodes = slice(0, shape.decodes)  # the decode part, then the prefill part
         chunks = slice(shape.decodes, None)
@@ -226,7 +217,8 @@ class ModelRunner:
         set_step_metadata(md)
         for extension in self.extensions:
             extension.bind(inputs, shape)
-        hidden = self.model(self.tokens.resolve(inputs["input_ids"]), inputs["positions"])
+        input_ids = resolve_placeholders(inputs["input_ids"], self.sampled)
+        hidden = self.model(input_ids, inputs["positions"])
         set_step_metadata(None)
         # only the tokens that sample go through the LM head
         sampling = hidden[inputs["sample_indices"]] if shape.prefill_tokens else hidden
@@ -234,13 +226,12 @@ class ModelRunner:
         self.logits[:rows] = self.model.lm_head(sampling)
         self.sampled[:rows] = sample_softmax(self.logits[:rows], inputs["temperatures"],
                                              inputs["seeds"], inputs["sample_lens"])
-        self.tokens.put(self.sampled[:rows])
         return hidden
 
     @torch.inference_mode()
     def run(self, step: StepInput):
         """The logits [rows, vocab] and sampled ids [rows] of the step's sampling rows (the ids
-        also go into the token table), and its prompt logprobs when asked. Every tensor-parallel
+        stay in `self.sampled` for the next step's placeholders), and its prompt logprobs when asked. Every tensor-parallel
         rank runs this and samples the same ids."""
         extra_values = {}
         for extension in self.extensions:
@@ -262,9 +253,6 @@ class ModelRunner:
         logits, sampled = self.logits[:exact.rows], self.sampled[:exact.rows]
         if step.top_ks is not None or step.banned:  # the filters the forward leaves out
             sampled = self.resample(step, shape, logits)
-        if step.block_copies:  # forks' copies of their parent's partial block, once it is computed
-            src, dst = self.upload(step.block_copies, torch.int64).T
-            self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
         return logits, sampled, prompt_logprobs
 
     def score_prompt(self, step: StepInput, hidden: torch.Tensor) -> Logprobs:
@@ -272,16 +260,14 @@ class ModelRunner:
         N's: from the raw logits, as vLLM reports them, PROMPT_LOGPROB_ROWS tokens at a time."""
         indices = self.upload(step.prompt_logprob_indices, torch.int64)
         targets = self.upload(step.prompt_logprob_targets, torch.int64)
-        parts = []
-        for start in range(0, len(indices), PROMPT_LOGPROB_ROWS):
-            rows = slice(start, start + PROMPT_LOGPROB_ROWS)
-            logits = self.model.lm_head(hidden[indices[rows]])
-            parts.append(top_logprobs(logits, targets[rows], step.num_prompt_logprobs))
+        parts = [top_logprobs(self.model.lm_head(hidden[rows]), row_targets, step.num_prompt_logprobs)
+                 for rows, row_targets in zip(indices.split(PROMPT_LOGPROB_ROWS),
+                                              targets.split(PROMPT_LOGPROB_ROWS))]
         return Logprobs(*(torch.cat(column) for column in zip(*parts)))
 
     def resample(self, step: StepInput, shape: StepShape, logits: torch.Tensor):
         """Sample the step's rows again, after top-k / top-p and the min_tokens mask (the graph's
-        sampler has none of them); the new ids replace the graph's in the token table."""
+        sampler has none of them); the new ids replace the graph's in `self.sampled`."""
         rows = len(logits)
         inputs = self.buffers.views(shape)
         top = banned = None
@@ -289,10 +275,9 @@ class ModelRunner:
             top = (self.upload(step.top_ks, torch.int64), self.upload(step.top_ps, torch.float32))
         if step.banned:
             banned = tuple(self.upload(step.banned, torch.int64).T)
-        sampled = sample(logits, inputs["temperatures"][:rows], inputs["seeds"][:rows],
-                         inputs["sample_lens"][:rows], top, banned)
-        self.tokens.put(sampled)
-        return sampled
+        self.sampled[:rows] = sample(logits, inputs["temperatures"][:rows], inputs["seeds"][:rows],
+                                     inputs["sample_lens"][:rows], top, banned)
+        return self.sampled[:rows]
 
     @torch.inference_mode()
     def launch(self, batch: Batch) -> InFlight:
@@ -300,7 +285,7 @@ class ModelRunner:
         logits, sampled, prompt_logprobs = self.run(step)
         logprobs = None
         if step.num_logprobs is not None:
-            logprobs = Logprobs(*top_logprobs(logits, sampled, max(step.num_logprobs)))
+            logprobs = top_logprobs(logits, sampled, max(step.num_logprobs))
         sampled = to_host(sampled)
         if logprobs is not None:
             logprobs = Logprobs(*map(to_host, logprobs))
@@ -331,5 +316,5 @@ class ModelRunner:
         if self.graphs is not None:
             self.graphs.close()
         self.graphs = self.model = self.kv_cache = self.attention_layers = self.extensions = None
-        self.tokens = self.buffers = self.logits = self.sampled = None
+        self.buffers = self.logits = self.sampled = None
         torch.cuda.empty_cache()  # a no-op without CUDA

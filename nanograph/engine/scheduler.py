@@ -40,9 +40,11 @@ scheduled before this one's tokens are back:
 The per-step facts live in the `Batch`, not on the sequences, since the next `schedule` runs
 before this step's `update`.
 
-n > 1: the step that completes a prompt also forks its request's other completions: they share
-the full prompt blocks, each gets a copy of the partial last one (a block reserved at admission),
-and each samples its own first token from the same logits (a row per fork).
+n > 1: a request's other completions wait in its first sequence's `forks` while it computes the
+prompt. When its first token comes back (`update`), the prompt's full blocks are in the prefix
+cache, and the others go to the front of `waiting`: each starts from those blocks and computes
+only the prompt's partial last block (or its last token) before sampling its own first token.
+vLLM's V1 engine does the same; without prefix caching, each computes the whole prompt.
 
 Extensions. A scheduler may be handed a `slots` table: a resource of its own that each step's
 sequences need beside KV blocks (lora/slots.py's adapter slots are one). It may refuse a
@@ -50,14 +52,10 @@ sequence at admission (`can_admit`) and it annotates each step (`assign`: the st
 `variant` and its `extras`, which travel untouched to the model runner's extensions). Without
 one (`None`) the scheduler is exactly the above.
 
-It may also be handed a `drafter` (spec/): guesses of the tokens that follow each decode row's
-last one. A row with drafts computes them too, as a prefill chunk of 1 + drafts tokens over its
-cache, and every token of the chunk samples: the target's own token at each draft's index. Drafts
-sit in `token_ids` until `update`, where the first draft its row contradicts is replaced by the
-row's token and everything after it cut (`reject_drafts`: tokens, computed count, blocks), so the
-prefix cache and the block table only ever hold tokens the target chose. A step with drafts is
-collected before the next is scheduled (`Batch.overlap`): its sequences' lengths are unknown
-until then.
+Speculative decoding (spec/) replaces the scheduler with a subclass that overrides the two
+steps in between: `make_batch` (which sequences compute how many tokens) and `account`, and
+extends `update`; its batches (a subclass of `Batch`) name their own `kind`, and ask with
+`overlap=False` to be collected before the next step is scheduled.
 """
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -77,18 +75,14 @@ class Batch:
     # per sampling row: who gets its token, the index in seqs of the sequence whose logits it
     # samples, and the index in its sequence of the token it samples
     rows: list[tuple[Sequence, int, int]] = field(default_factory=list)
-    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), after the step
     # (index in seqs, position p): prompt positions whose next token's logprobs the step computes
     prompt_positions: list[tuple[int, int]] = field(default_factory=list)
     variant: int = 0  # which of the runner's graph variants the step needs; 0 = the base model's
     extras: dict = field(default_factory=dict)  # what the slots table attached, for the runner
-    num_draft_tokens: int = 0  # the drafter's guesses it checks
     overlap: bool = True  # False: collect it before scheduling the next step (llm.py)
 
     @property
     def kind(self):
-        if self.num_draft_tokens:
-            return "verify"
         if self.num_decodes == len(self.seqs):
             return "decode"
         return "mixed" if self.num_decodes else "prefill"
@@ -96,14 +90,13 @@ class Batch:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs, max_num_batched_tokens,
-                 max_num_mixed_tokens=None, max_model_len=1 << 30, slots=None, drafter=None):
+                 max_num_mixed_tokens=None, max_model_len=1 << 30, slots=None):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_mixed_tokens = max_num_mixed_tokens or max_num_batched_tokens
         self.max_model_len = max_model_len
         self.slots = slots  # an extension's slot table (see above), None = none
-        self.drafter = drafter  # proposes draft tokens (see above), None = none
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
@@ -118,7 +111,14 @@ class Scheduler:
         # a step that preempted admits no new prompt
         admit = self.num_preemptions == preemptions
         prefills = self.schedule_prefills(budget, admit)
-        return self.account(decodes, prefills) if decodes or prefills else None
+        return self.commit(decodes, prefills) if decodes or prefills else None
+
+    def commit(self, decodes: list[Sequence], prefills: list[tuple[Sequence, int]]) -> Batch:
+        """The step of `decodes` and `prefills`: made, accounted for as computed, counted."""
+        batch = self.make_batch(decodes, prefills)
+        self.account(batch)
+        self.steps[batch.kind] += 1
+        return batch
 
     def prefill_budget(self, num_decodes: int) -> int:
         """A mixed step's prefill tokens: `max_num_mixed_tokens` by the share of free seats,
@@ -164,72 +164,36 @@ class Scheduler:
         return chunks
 
     def can_admit(self, seq: Sequence):
-        """Room for `seq` (and its forks): sequences, the slots table's say, blocks."""
-        if len(self.running) + 1 + len(seq.forks) > self.max_num_seqs:
+        """Room for `seq`: a seat, the slots table's say, blocks."""
+        if len(self.running) >= self.max_num_seqs:
             return False
         if self.slots is not None and not self.slots.can_admit(seq, self.running):
             return False
-        partial = seq.num_prompt_tokens % self.block_manager.block_size > 0
-        return seq.num_blocks + len(seq.forks) * partial <= self.block_manager.num_free_blocks
+        return seq.num_blocks <= self.block_manager.num_free_blocks
 
-    def account(self, decodes: list[Sequence], prefills: list[tuple[Sequence, int]]):
-        """The step of `decodes` and `prefills`, treated as computed: the slots table's say,
-        counters advanced, a placeholder for each sampling row, forks forked."""
-        proposed = self.drafter.propose(decodes, prefills) if self.drafter is not None else None
-        num_drafts = self.add_drafts(decodes, proposed) if proposed else [0] * len(decodes)
-        batch = Batch(seqs=decodes + [seq for seq, _ in prefills],
-                      num_decodes=0 if any(num_drafts) else len(decodes),  # drafts: all chunks
-                      num_tokens=[1 + n for n in num_drafts] + [chunk for _, chunk in prefills],
-                      num_draft_tokens=sum(num_drafts),
-                      overlap=proposed is None)
-        num_drafts += [0] * len(prefills)
+    def make_batch(self, decodes: list[Sequence], prefills: list[tuple[Sequence, int]]) -> Batch:
+        """The step's sequences and their tokens: one for each decode row, then the chunks."""
+        return Batch(seqs=decodes + [seq for seq, _ in prefills],
+                     num_decodes=len(decodes),
+                     num_tokens=[1] * len(decodes) + [chunk for _, chunk in prefills])
+
+    def account(self, batch: Batch):
+        """Treat `batch` as computed: the slots table's say, counters advanced, a placeholder for
+        each sampling row."""
         if self.slots is not None:
             self.slots.assign(batch, self.running)
-        self.steps[batch.kind] += 1
         for i, (seq, num_tokens) in enumerate(zip(batch.seqs, batch.num_tokens)):
             batch.starts.append(seq.num_computed_tokens)
-            if seq.prompt_logprobs is not None and i >= batch.num_decodes:
+            if seq.prompt_logprobs is not None:  # (a decode row's range is empty)
                 last = min(seq.num_computed_tokens + num_tokens, seq.num_prompt_tokens - 1)
                 batch.prompt_positions += [(i, p) for p in range(seq.num_computed_tokens, last)]
             seq.num_computed_tokens += num_tokens
             if seq.num_computed_tokens < len(seq):
                 continue  # a prefill chunk (not the prompt's end) samples nothing
-            for child in seq.forks:
-                batch.block_copies += self.block_manager.fork(seq, child)
-                child.num_computed_tokens = seq.num_computed_tokens
-                child.status = Status.RUNNING
-                self.running.append(child)
-            if num_drafts[i]:  # each draft's index: the token the one before it samples
-                batch.rows += [(seq, i, index)
-                               for index in range(len(seq) - num_drafts[i], len(seq))]
-            for sampler in [seq, *seq.forks]:
-                sampler.token_ids.append(-1 - len(batch.rows))
-                length = len(sampler.token_ids)
-                batch.rows.append((sampler, i, length - 1))
-                if self.at_length_limit(sampler, length - num_drafts[i]):
-                    self.running.remove(sampler)  # its last token is decided: finishes in update()
-            seq.forks = []
-        return batch
-
-    def add_drafts(self, decodes: list[Sequence], proposed: list[list[int]]) -> list[int]:
-        """Append each decode row's drafts to its tokens, as many as its length limits and a free
-        block allow (drafts never preempt); how many each got."""
-        num_drafts = []
-        for seq, drafts in zip(decodes, proposed):
-            limit = min(seq.num_prompt_tokens + seq.params.max_tokens, self.max_model_len)
-            seq.token_ids += drafts[:max(limit - len(seq) - 1, 0)]
-            if not self.block_manager.append_slot(seq):
-                seq.truncate(seq.num_computed_tokens + 1)
-            num_drafts.append(len(seq) - seq.num_computed_tokens - 1)
-        return num_drafts + [0] * (len(decodes) - len(num_drafts))
-
-    def reject_drafts(self, seq: Sequence, index: int, token: int):
-        """The target sampled `token` where `seq` holds a draft: it replaces the draft, and the
-        drafts after it go, with their K/V (recomputed from `index` on) and their blocks."""
-        seq.truncate(index)
-        seq.token_ids.append(token)
-        seq.num_computed_tokens = min(seq.num_computed_tokens, index)
-        self.block_manager.free(seq, keep=seq.num_blocks)
+            seq.token_ids.append(-1 - len(batch.rows))
+            batch.rows.append((seq, i, len(seq) - 1))
+            if self.at_length_limit(seq, len(seq)):
+                self.running.remove(seq)  # its last token is decided: finishes in update()
 
     def at_length_limit(self, seq: Sequence, length: int):
         """Whether a sequence of `length` tokens has no room for another (max_tokens,
@@ -240,9 +204,13 @@ class Scheduler:
     def preempt(self, seq: Sequence):
         self.block_manager.free(seq)
         seq.status, seq.num_computed_tokens = Status.WAITING, 0
-        # behind a part-prefilled head, which holds blocks and must finish first
-        self.waiting.insert(1 if self.waiting and self.waiting[0].block_table else 0, seq)
+        self.requeue(seq)
         self.num_preemptions += 1
+
+    def requeue(self, seq: Sequence):
+        """To the front of `waiting`, behind a part-prefilled head (it holds blocks and must
+        finish first)."""
+        self.waiting.insert(1 if self.waiting and self.waiting[0].block_table else 0, seq)
 
     def update(self, batch: Batch, sampled: list[int], logprobs: list[dict | None] | None = None,
                prompt_logprobs: list[dict] | None = None):
@@ -252,10 +220,6 @@ class Scheduler:
         for (index, position), entry in zip(batch.prompt_positions, prompt_logprobs or ()):
             # (a recompute after preemption writes the same entries again)
             batch.seqs[index].prompt_logprobs[position + 1] = entry
-        for (seq, _, index), token in zip(batch.rows, sampled) if batch.num_draft_tokens else ():
-            live = seq.status != Status.FINISHED and index < len(seq)
-            if live and 0 <= seq.token_ids[index] != token:  # a draft (>= 0), contradicted
-                self.reject_drafts(seq, index, token)
         for seq, start, num_tokens in zip(batch.seqs, batch.starts, batch.num_tokens):
             # blocks this step completed (none if it was preempted since: its counter went
             # back to 0)
@@ -268,20 +232,21 @@ class Scheduler:
                 self.num_discarded_tokens += 1  # stopped by a token one step late (or a draft's)
                 continue
             if index >= len(seq.token_ids):
-                continue  # the check of a draft after a rejected one
+                continue  # past its end: a draft's check after a rejected draft (spec/)
             seq.token_ids[index] = token
+            for child in reversed(seq.forks):  # its prompt's blocks are cached: they start
+                self.requeue(child)
+            seq.forks = []
             if seq.logprobs is not None:
                 seq.logprobs.append(logprobs[row])
                 seq.cumulative_logprob += logprobs[row][token]
             if token in seq.stop_ids:
                 stop_id = token if token in (seq.params.stop_token_ids or ()) else None
-                seq.truncate(index + 1)  # (drafts after it)
+                seq.truncate(index + 1)  # (drafts after it, spec/)
                 self.finish(seq, "stop", stop_id)
             elif self.at_length_limit(seq, index + 1):
                 self.finish(seq, "length")
             updated.append(seq)
-        if self.drafter is not None:
-            self.drafter.verified(batch)
         return updated
 
     def finish(self, seq: Sequence, reason="abort", stop_reason: int | str | None = None):

@@ -8,8 +8,7 @@ negative number (docs/walkthrough.md, "Placeholders"). Preemption frees the bloc
 counter to 0: the tokens stay, their K/V is recomputed later.
 
 A request for n completions is n sequences. The first computes the prompt; the others wait in
-its `forks` and are forked from it by the step that completes the prompt (scheduler.py): they
-share its prompt blocks and sample their first tokens from the same logits.
+its `forks` until it has (scheduler.py), then start from its blocks in the prefix cache.
 """
 from dataclasses import dataclass
 from enum import Enum, auto
@@ -44,7 +43,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.num_computed_tokens = 0
         self.num_hashed_blocks = 0   # leading blocks already registered in the prefix cache
-        self.forks: list[Sequence] = []   # the other completions of its request, not yet forked
+        self.forks: list[Sequence] = []   # the other completions of its request, not yet started
         self.finish_reason: str | None = None   # "stop" | "length" | "abort"
         self.stop_reason: int | str | None = None  # the stop id or stop string that ended it
         self.logprobs: list[dict] | None = [] if self.params.logprobs is not None else None

@@ -13,9 +13,9 @@ with its own exact shape, so there is one forward for both (model_runner.py).
 
 Token ids may be placeholders, `-1 - r`: "the token the previous step sampled in its row r",
 which the host does not know yet under overlap scheduling (docs/walkthrough.md, "Placeholders",
-has a worked example). They resolve on the device through the `TokenTable`, `arange(vocab +
-rows)` whose last entries hold the last step's sampled ids (row r at index -1 - r): every id,
-real or placeholder, is then one gather, `table[ids]`, the forward's first op.
+has a worked example). They resolve on the device (`resolve_placeholders`): the model runner
+keeps the last step's sampled ids in a static buffer, row r at index r, until the next step's
+forward has read them.
 
 An extension may add to a step without the base path knowing what it adds: `variant` picks one
 of its graphs (0 = the base model's), `extras` carries its data from the scheduler to the
@@ -31,7 +31,7 @@ from nanograph.engine.scheduler import Batch
 @dataclass
 class StepInput:
     """A step as plain lists. Three granularities: tokens, sequences (each a decode row or a
-    prefill chunk), and sampling rows (a sequence whose step samples, plus one per fork)."""
+    prefill chunk), and sampling rows (a sequence whose step samples)."""
     num_decodes: int = 0        # sequences [0, num_decodes) decode one token; the rest are chunks
     # per token, all sequences concatenated
     input_ids: list[int] = field(default_factory=list)     # < 0: placeholder
@@ -57,7 +57,6 @@ class StepInput:
     prompt_logprob_targets: list[int] = field(default_factory=list)  # the prompt token it scores
     num_prompt_logprobs: int = 0  # the top N returned with each (the step's largest)
     # per step
-    block_copies: list[tuple[int, int]] = field(default_factory=list)  # after the forward: forks
     variant: int = 0                      # which graph variant it needs (Batch.variant)
     extras: dict = field(default_factory=dict)  # what extensions attached (Batch.extras)
 
@@ -97,7 +96,6 @@ class StepShape:
 
 def build_step(batch: Batch, block_size) -> StepInput:
     step = StepInput(num_decodes=batch.num_decodes,
-                     block_copies=batch.block_copies,
                      variant=batch.variant,
                      extras=batch.extras)
     width = max(len(seq.block_table) for seq in batch.seqs)
@@ -234,16 +232,7 @@ def place(view, values: list, num_decodes: int, decode_bucket: int, pad):
     view[decode_bucket:decode_bucket + len(values) - num_decodes] = values[num_decodes:]
 
 
-class TokenTable:
-    """arange(vocab + max_rows): ids index themselves, placeholder -1 - r the last step's row r."""
-
-    def __init__(self, vocab_size, max_rows, device):
-        self.ids = torch.arange(vocab_size + max_rows, device=device)
-        self.rows = self.ids[-max_rows:].flip(0)  # row r -> index -1 - r
-
-    def resolve(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.ids[ids]
-
-    def put(self, sampled: torch.Tensor):
-        """Keep a step's sampled ids for the next step's placeholders."""
-        self.ids.index_copy_(0, self.rows[:len(sampled)], sampled)
+def resolve_placeholders(ids: torch.Tensor, last_sampled: torch.Tensor) -> torch.Tensor:
+    """`ids` with each placeholder -1 - r replaced by `last_sampled[r]`, the id the last step
+    sampled in its row r (on the device: the forward's first op)."""
+    return torch.where(ids >= 0, ids, last_sampled[(-1 - ids).clamp(min=0)])

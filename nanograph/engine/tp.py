@@ -278,6 +278,9 @@ class TensorParallelRunner(ShardedRunner):
     """Rank 0: a ShardedRunner whose steps also go to the workers it drives."""
 
     def __init__(self, config: Config, extensions: list[RunnerExtension] = ()):
+        if dist.is_initialized():  # (the workers' group is the default one: one at a time)
+            raise RuntimeError("a torch.distributed process group is already open here: close "
+                               "the other tensor-parallel LLM first")
         n = config.tensor_parallel_size
         if config.device.startswith("cuda") and torch.cuda.device_count() < n:
             raise ValueError(

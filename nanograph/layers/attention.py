@@ -16,8 +16,8 @@ one query per sequence.
   rotary and the K/V store are one kernel (kernels/kv_store.py); decode hands all of it to
   kernels/paged_decode.py, which at small batch does it inside its attention kernel, one
   dependent launch fewer per layer.
-- `flash_attn`: flash-attn's paged kernels (varlen prefill, `flash_attn_with_kvcache` decode)
-  after the fused rotate-and-store kernel of `triton`; needs block size 256. Tested on a GPU
+- `flash_attn`: flash-attn's paged kernels (varlen prefill, `flash_attn_with_kvcache` decode,
+  kernels/backends.py) after the fused rotate-and-store kernel of `triton`; needs block size 256. Tested on a GPU
   against `torch`, but by name only: `auto` takes `triton`, which measured faster at small-batch
   decode (its kernel rotates, stores and attends inside the PDL chain) and as fast end to end
   (docs/performance.md, "Attention backends").
@@ -51,12 +51,10 @@ def torch_rotate_and_store(q, k, v, positions, cos, sin, q_weight, k_weight, eps
     return q
 
 
-# The backends' attention, each (q, k_cache, v_cache, inputs, scale) with q rotated and the new
-# K/V stored: a prefill function attends a prefill part, a decode function a decode part (whose
-# inputs have no query offsets: one query a sequence).
-
 def torch_attend(q, k_cache, v_cache, inputs: AttentionInputs, scale: float):
-    """Either part: each sequence's keys gathered through its block table, then SDPA."""
+    """The torch backend's attention, for either part of a step (q rotated and the new K/V
+    stored, as kernels/backends.py's): each sequence's keys gathered through its block table,
+    then SDPA."""
     outs = []
     # the oracle may wait for the device: it slices on the host (so it runs outside CUDA graphs)
     lens = inputs.context_lens.tolist()
@@ -73,37 +71,6 @@ def torch_attend(q, k_cache, v_cache, inputs: AttentionInputs, scale: float):
         o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         outs.append(o.transpose(0, 1))
     return torch.cat(outs)
-
-
-def triton_prefill(q, k_cache, v_cache, inputs: AttentionInputs, scale: float):
-    from nanograph.kernels.paged_prefill import paged_prefill_attention
-    return paged_prefill_attention(q, k_cache, v_cache, inputs.cu_seqlens_q, inputs.context_lens,
-                                   inputs.block_tables, inputs.max_seqlen_q, scale)
-
-
-def flash_attn_prefill(q, k_cache, v_cache, inputs: AttentionInputs, scale: float):
-    from flash_attn import flash_attn_varlen_func
-    cu_k = F.pad(inputs.context_lens.cumsum(0, dtype=torch.int32), (1, 0))
-    return flash_attn_varlen_func(q, k_cache, v_cache, inputs.cu_seqlens_q, cu_k,
-                                  inputs.max_seqlen_q, int(inputs.context_lens.max()),
-                                  softmax_scale=scale,
-                                  causal=True,
-                                  block_table=inputs.block_tables)
-
-
-def flash_attn_decode(q, k_cache, v_cache, inputs: AttentionInputs, scale: float):
-    from flash_attn import flash_attn_with_kvcache
-    out = flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache,
-                                  cache_seqlens=inputs.context_lens,
-                                  block_table=inputs.block_tables,
-                                  softmax_scale=scale,
-                                  causal=True)
-    return out.squeeze(1)
-
-
-# name -> (prefill, decode); triton's decode rotates, stores and attends in one kernel
-ATTEND = {"torch": (torch_attend, torch_attend), "triton": (triton_prefill, None),
-          "flash_attn": (flash_attn_prefill, flash_attn_decode)}
 
 
 class Attention(nn.Module):
@@ -136,9 +103,11 @@ class Attention(nn.Module):
                                           self.k_cache, self.v_cache, inputs.block_tables,
                                           inputs.context_lens, self.scale)
         if self.backend == "torch":
-            rotate_and_store = torch_rotate_and_store
+            rotate_and_store, attend = torch_rotate_and_store, torch_attend
         else:
+            from nanograph.kernels.backends import BACKENDS
             from nanograph.kernels.kv_store import rotate_and_store
+            attend = BACKENDS[self.backend][decode]
         q = rotate_and_store(q, k, v, positions, *self.rotary, self.k_cache, self.v_cache,
                              inputs.slot_mapping)
-        return ATTEND[self.backend][decode](q, self.k_cache, self.v_cache, inputs, self.scale)
+        return attend(q, self.k_cache, self.v_cache, inputs, self.scale)

@@ -23,6 +23,8 @@ top-k / top-p need the logits sorted, the only expensive part at a 150k vocabula
 outside the graph, only for a batch in which some request asks for them: the race is then run
 again on the logits they leave.
 """
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -97,9 +99,16 @@ def sample(logits, temperatures, seeds, lengths,
     return sample_softmax(logits, temperatures, seeds, lengths)
 
 
-def top_logprobs(logits, sampled, n: int):
+class Logprobs(NamedTuple):
+    """Rows' log-probabilities (`top_logprobs`)."""
+    sampled: torch.Tensor      # [rows] each row's token's
+    top_values: torch.Tensor   # [rows, N] the N most likely tokens'
+    top_ids: torch.Tensor      # [rows, N] and their ids
+
+
+def top_logprobs(logits, tokens, n: int) -> Logprobs:
     """From the raw logits (before temperature and the filters, as vLLM reports them): each row's
-    log-probability of its sampled token [rows], and its n most likely tokens' [rows, n] with
-    their ids."""
+    log-probability of its token (the sampled one, or a prompt's), and its n most likely
+    tokens' with their ids."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
-    return logprobs.gather(-1, sampled[:, None])[:, 0], *logprobs.topk(n, dim=-1)
+    return Logprobs(logprobs.gather(-1, tokens[:, None])[:, 0], *logprobs.topk(n, dim=-1))

@@ -9,6 +9,8 @@ The forward pass takes a flat batch of tokens ([num_tokens]), not [batch, seq]: 
 different lengths and decode tokens are concatenated, and attention finds each token's sequence
 through the per-step metadata. The parameter names match the HF checkpoints, except that
 q/k/v and gate/up are fused; `packed_modules` tells the loader how to fill the fused weights.
+The embedding is torch's (row `id` of a [vocab, hidden] weight), the LM head a linear layer of
+the same shape; a tied head shares the embedding's weight tensor.
 
 Each block is the textbook pre-norm pair, with the residual stream carried beside the hidden
 state so that each add runs inside the norm that follows it (layers/norm.py):
@@ -16,11 +18,11 @@ state so that each add runs inside the norm that follows it (layers/norm.py):
     norm -> [gate | up] -> SiLU(gate) * up -> down            (MLP)
 Extensions change a block from outside, by swapping modules in (llm.py installs them).
 """
+import torch
 import torch.nn.functional as F
 from torch import nn
 
 from nanograph.layers.attention import Attention
-from nanograph.layers.embed_head import Embedding
 from nanograph.layers.linear import Linear
 from nanograph.layers.norm import RMSNorm
 from nanograph.layers.rotary import RotaryEmbedding
@@ -93,7 +95,9 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(self, cfg):
         super().__init__()
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
+        # (its weight left unset, not drawn at random: the loader fills it)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         rope = dict(getattr(cfg, "rope_parameters", None)
                     or getattr(cfg, "rope_scaling", None)
                     or {})

@@ -9,7 +9,6 @@ exit: the knobs (a Config is made from them), the LoRA modules (each adapter rea
 model's config) and the port (bound here, then handed to uvicorn).
 """
 import argparse
-import asyncio
 import contextlib
 import dataclasses
 import json
@@ -17,7 +16,6 @@ import logging
 import sys
 import types
 import typing
-from functools import partial
 
 import uvicorn
 
@@ -100,22 +98,21 @@ def main(argv=None):
         sys.exit(f"nanograph-serve: {e}")
     if args.data_parallel_size > 1:
         return serve_replicas(args, knobs, sys.argv[1:] if argv is None else argv)
+    if args.shell:
+        with contextlib.suppress(KeyboardInterrupt):
+            return chat_shell(args.model, knobs)
     served_model = args.served_model_name or args.model
     engine = EngineThread(args.model, knobs, served_model)
-    if args.shell:
-        run = partial(asyncio.run, chat_shell(engine))
-    else:
-        app = create_app(engine, served_model, loras, args.max_request_body_bytes)
-        # (a request still open 5 s after shutdown began is cancelled)
-        server = Server(uvicorn.Config(app, host=args.host, port=args.port,
-                                       timeout_graceful_shutdown=5))
-        port = server.config.bind_socket()  # in use: uvicorn says so and exits (3)
-        server.engine = engine
-        engine.on_exit = lambda: setattr(server, "should_exit", True)
-        run = partial(server.run, sockets=[port])
-    engine.thread.start()  # builds the LLM while uvicorn opens the port (or the shell waits)
+    app = create_app(engine, served_model, loras, args.max_request_body_bytes)
+    # (a request still open 5 s after shutdown began is cancelled)
+    server = Server(uvicorn.Config(app, host=args.host, port=args.port,
+                                   timeout_graceful_shutdown=5))
+    port = server.config.bind_socket()  # in use: uvicorn says so and exits (3)
+    server.engine = engine
+    engine.on_exit = lambda: setattr(server, "should_exit", True)
+    engine.thread.start()  # builds the LLM while uvicorn opens the port
     with contextlib.suppress(KeyboardInterrupt):
-        run()
+        server.run(sockets=[port])
     engine.stop()  # (the server's shutdown has stopped it already)
     # the engine thread closes the LLM: wait for it 15 s at most (an engine still building, or
     # stuck in a step, is left to the process's end)

@@ -86,13 +86,6 @@ class EngineThread:
             if unfinished:
                 self.inbox.put(("abort", jobs))
 
-    def wait_ready(self) -> bool:
-        """Block until the LLM is built; False if the thread ended first (a failed build)."""
-        while not self.ready.wait(timeout=0.1):
-            if not self.thread.is_alive():
-                return False
-        return True
-
     def stop(self):
         self.ready.clear()  # no new requests (and /health says 503 to the load balancer)
         self.inbox.put(("stop", None))
@@ -102,6 +95,7 @@ class EngineThread:
         try:
             self.llm = LLM(model, **knobs)
             self.tokenizer = copy.deepcopy(self.llm.tokenizer)
+            self.metrics.watch(self.llm)
             self.metrics.update(self.llm, time.perf_counter())
             self.ready.set()
             logger.info("engine ready: %s", model)
@@ -146,17 +140,16 @@ class EngineThread:
         try:
             for job in jobs:
                 job.request_id = self.llm.add_request(job.prompt, job.params, job.lora)
-                self.jobs[job.request_id] = self.queued[job.request_id] = job
         except Exception as e:
             if not isinstance(e, ValueError):  # not the request's fault: its 500
                 logger.exception("the engine could not take a request")
                 e = EngineError(f"the engine could not take the request: {e!r}")
             for job in jobs:  # (the next step reports them aborted, to nobody)
-                self.queued.pop(job.request_id, None)
-                if self.jobs.pop(job.request_id, None):
-                    self.llm.abort_request(job.request_id)
+                self.llm.abort_request(job.request_id)  # (None, for those not added: ignored)
             jobs[0].put(e)
             return
+        for job in jobs:
+            self.jobs[job.request_id] = self.queued[job.request_id] = job
         jobs[0].put(None)
 
     def step(self):

@@ -5,7 +5,8 @@ Latencies are taken in the engine thread, as each step's dicts come out: queue t
 the start of the step that first schedules the request), time to first token (from the
 request's arrival), inter-token latency (between two steps that gave a request tokens: the
 decode rhythm a user sees, apart from the prefill-bound first token), end to end.
-The gauges are set after every step from the scheduler, the block manager and `llm.stats()`;
+The router's gauges are read from the scheduler and the block manager when /metrics is
+scraped; `llm.stats()`'s numbers, each a gauge of the same name, are set after steps;
 prometheus_client's metrics are thread-safe, so /metrics reads them from the event loop.
 
 The three gauges a router reads to pick a replica (waiting and running requests, KV cache usage)
@@ -13,35 +14,12 @@ are also under vLLM's own names, `vllm:...`, which routers expect by default: ll
 picker (the Gateway API inference extension) reads vllm:num_requests_waiting and
 vllm:kv_cache_usage_perc, and the older vllm:gpu_cache_usage_perc.
 """
-from dataclasses import dataclass
+from functools import partial
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 LATENCY_BUCKETS = [0.001 * 2**i for i in range(17)]  # 1 ms to 65 s, doubling
 TOKEN_BUCKETS = [2**i for i in range(21)]            # 1 to a million tokens
-
-# llm.stats() key -> (gauge, what it says); absent keys (no graphs) leave the gauge at 0
-STATS_GAUGES = {
-    "graph_hit_rate": ("decode_graph_hit_rate", "Share of decode steps that replayed a graph"),
-    "padding_waste": ("decode_graph_padding_waste", "Padded rows per real row in decode replays"),
-    "mixed_graph_hit_rate": ("mixed_graph_hit_rate", "Share of mixed steps that replayed a graph"),
-    "num_graphs": ("num_cuda_graphs", "CUDA graphs captured"),
-    "graph_memory_bytes": ("cuda_graph_memory_bytes", "Memory of the graphs' shared pool"),
-    "prefix_cache_hit_tokens": ("prefix_cache_hit_tokens", "Prompt tokens found in the cache"),
-    "spec_decode_num_drafts": ("spec_decode_num_drafts", "Verifies of a sequence's drafts"),
-    "spec_decode_num_draft_tokens": ("spec_decode_num_draft_tokens", "Draft tokens verified"),
-    "spec_decode_num_accepted_tokens": ("spec_decode_num_accepted_tokens", "Drafts accepted"),
-}
-
-
-@dataclass
-class RouterGauge:
-    """One value under nanograph's name and vLLM's."""
-    gauges: list[Gauge]
-
-    def set(self, value: float):
-        for gauge in self.gauges:
-            gauge.set(value)
 
 
 class Metrics:
@@ -49,42 +27,45 @@ class Metrics:
         self.registry = CollectorRegistry()
         self.model_name = model_name
 
-        def make(kind, name: str, doc: str, **kwargs):
-            return kind(f"nanograph:{name}", doc, ["model_name"], registry=self.registry,
-                        **kwargs).labels(model_name)
-
-        def router_gauge(name: str, doc: str, *old_names: str) -> RouterGauge:
-            """nanograph:NAME and vllm:NAME (and vLLM's OLD_NAMES for it)."""
-            return RouterGauge([make(Gauge, name, doc)] + [
-                Gauge(f"vllm:{vllm_name}", doc, ["model_name"], registry=self.registry
-                      ).labels(model_name) for vllm_name in (name, *old_names)])
-
-        self.ttft = make(Histogram, "time_to_first_token_seconds", "Time to first token",
-                         buckets=LATENCY_BUCKETS)
-        self.itl = make(Histogram, "inter_token_latency_seconds", "Time between two steps' tokens",
-                        buckets=LATENCY_BUCKETS)
-        self.e2e = make(Histogram, "e2e_request_latency_seconds", "Arrival to finish",
-                        buckets=LATENCY_BUCKETS)
-        self.queue_time = make(Histogram, "request_queue_time_seconds",
-                               "Arrival to the step that first schedules it",
-                               buckets=LATENCY_BUCKETS)
-        self.request_prompt_tokens = make(Histogram, "request_prompt_tokens",
-                                          "Prompt tokens per request", buckets=TOKEN_BUCKETS)
-        self.request_generation_tokens = make(Histogram, "request_generation_tokens",
-                                              "Tokens generated per request (its n completions)",
-                                              buckets=TOKEN_BUCKETS)
+        latency = partial(self.metric, Histogram, buckets=LATENCY_BUCKETS)
+        self.ttft = latency("time_to_first_token_seconds", "Time to first token")
+        self.itl = latency("inter_token_latency_seconds", "Time between two steps' tokens")
+        self.e2e = latency("e2e_request_latency_seconds", "Arrival to finish")
+        self.queue_time = latency("request_queue_time_seconds",
+                                  "Arrival to the step that first schedules it")
+        tokens = partial(self.metric, Histogram, buckets=TOKEN_BUCKETS)
+        self.request_prompt_tokens = tokens("request_prompt_tokens", "Prompt tokens per request")
+        self.request_generation_tokens = tokens("request_generation_tokens",
+                                                "Tokens generated per request (its n completions)")
         self.success = Counter("nanograph:request_success", "Completions finished, by reason",
                                ["model_name", "finished_reason"], registry=self.registry)
-        self.preemptions = make(Counter, "num_preemptions", "Sequences preempted")
+        self.preemptions = self.metric(Counter, "num_preemptions", "Sequences preempted")
         self.num_preempted = 0  # the scheduler's count when last read
-        self.prompt_tokens = make(Counter, "prompt_tokens", "Prompt tokens of finished requests")
-        self.generation_tokens = make(Counter, "generation_tokens", "Tokens generated")
-        self.running = router_gauge("num_requests_running", "Sequences running")
-        self.waiting = router_gauge("num_requests_waiting", "Sequences waiting")
-        self.kv_usage = router_gauge("kv_cache_usage_perc", "Share of KV blocks in use (0 to 1)",
-                                     "gpu_cache_usage_perc")
-        self.stats = {key: make(Gauge, name, doc) for key, (name, doc) in STATS_GAUGES.items()}
+        self.prompt_tokens = self.metric(Counter, "prompt_tokens",
+                                         "Prompt tokens of finished requests")
+        self.generation_tokens = self.metric(Counter, "generation_tokens", "Tokens generated")
+        self.stats = {}  # llm.stats() key -> its gauge, made when the key first shows up
         self.stats_time = -1.0
+
+    def metric(self, kind, name: str, doc: str, **kwargs):
+        """nanograph:NAME, a `kind` (Gauge, Counter, Histogram) of this server's model."""
+        return kind(f"nanograph:{name}", doc, ["model_name"], registry=self.registry,
+                    **kwargs).labels(self.model_name)
+
+    def watch(self, llm):
+        """The gauges a router reads, as nanograph:NAME, vllm:NAME and vLLM's older names: read
+        from `llm` whenever /metrics is scraped (lengths of its queues: safe from any thread)."""
+        blocks = llm.block_manager
+        for names, doc, read in (
+                (["num_requests_running"], "Sequences running", lambda: len(llm.scheduler.running)),
+                (["num_requests_waiting"], "Sequences waiting", lambda: len(llm.scheduler.waiting)),
+                (["kv_cache_usage_perc", "gpu_cache_usage_perc"], "Share of KV blocks in use",
+                 lambda: 1 - blocks.num_free_blocks / len(blocks.blocks))):
+            vllm_gauges = [Gauge(f"vllm:{name}", doc, ["model_name"], registry=self.registry)
+                           for name in names]
+            self.metric(Gauge, names[0], doc).set_function(read)
+            for gauge in vllm_gauges:
+                gauge.labels(self.model_name).set_function(read)
 
     def record(self, job, out: dict, now: float):
         """A step dict of `job` (engine_thread.Job) came out at `now`."""
@@ -107,21 +88,19 @@ class Metrics:
                 self.success.labels(self.model_name, completion["finish_reason"]).inc()
 
     def update(self, llm, now: float):
-        """The gauges, from the LLM's state after a step (in the engine thread). llm.stats()
-        takes tens of microseconds: once a second, and when the engine goes idle."""
-        self.running.set(len(llm.scheduler.running))
-        self.waiting.set(len(llm.scheduler.waiting))
-        blocks = llm.block_manager
-        self.kv_usage.set(1 - blocks.num_free_blocks / len(blocks.blocks))
+        """The gauges of llm.stats(), after a step (in the engine thread): it takes tens of
+        microseconds, so once a second, and when the engine goes idle."""
         if now - self.stats_time < 1 and llm.has_unfinished_requests():
             return
         self.stats_time = now
         stats = llm.stats()
         self.preemptions.inc(stats["preemptions"] - self.num_preempted)
         self.num_preempted = stats["preemptions"]
-        for key, gauge in self.stats.items():
-            if key in stats:
-                gauge.set(stats[key])
+        for key, value in stats.items():
+            if isinstance(value, (int, float)):  # (not the lists and dicts)
+                if key not in self.stats:
+                    self.stats[key] = self.metric(Gauge, key, f"llm.stats()[{key!r}]")
+                self.stats[key].set(value)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -15,10 +15,10 @@ sees it.
 from dataclasses import fields
 from typing import Literal
 
-from jinja2 import TemplateError
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
 
 from nanograph import SamplingParams
+from nanograph.llm import chat_prompt
 
 SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)} - {"max_tokens", "logprobs",
                                                               "prompt_logprobs"}
@@ -38,7 +38,7 @@ class Body(Strict):
     model: str | None = None           # None: the served model
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: int = Field(1, le=128)  # (OpenAI's limit)
     temperature: float = 1.0
     top_p: float = 1.0
     stop: str | list[str] | None = None
@@ -134,12 +134,5 @@ class ChatRequest(Body):
     def prompt_ids(self, tokenizer) -> list[list[int]]:
         if not getattr(tokenizer, "chat_template", None):  # (no tokenizer: None has none)
             raise ValueError("this model has no chat template: use /v1/completions")
-        try:
-            messages = [message.model_dump(exclude_none=True) for message in self.messages]
-            text = tokenizer.apply_chat_template(messages,
-                                                 tokenize=False,
-                                                 add_generation_prompt=True,
-                                                 **(self.chat_template_kwargs or {}))
-        except (TemplateError, TypeError) as e:  # the messages or the kwargs do not fit it
-            raise ValueError(f"the chat template failed on this request: {e}") from None
-        return [tokenizer.encode(text, add_special_tokens=False)]  # the template has them
+        messages = [message.model_dump(exclude_none=True) for message in self.messages]
+        return [chat_prompt(tokenizer, messages, self.chat_template_kwargs)]

@@ -1,6 +1,6 @@
 """The scheduler's drafter: prompt-lookup drafts for the decode rows, and when not to draft.
 
-The scheduler (engine/scheduler.py) asks `propose` for each step's decode rows, appends the
+The scheduler (scheduler.py) asks `propose` for each step's decode rows, appends the
 drafts to their tokens and turns the rows into verify chunks; after the step, `update` cuts each
 sequence at its first rejected draft and calls `verified`, where the drafter counts what was
 accepted (vLLM's `spec_decode_*` counters) and adjusts its switch-off rule.

@@ -6,7 +6,20 @@ token a sampling row. The prefill attention's bottom-right causal rule gives eac
 cache and the tokens before it, so row j's logits are the target's for the token after draft j
 (after the last token for j = 0), and the forward's sampler draws each row's token at its own
 index: plain sampling's token there. The scheduler's `update` keeps the drafts up to the first
-one that differs (acceptance.py explains why this keeps the target's distribution).
+one that differs.
+
+Why that keeps the target's distribution. The standard rule for a draft x drawn from a draft
+distribution q (Leviathan et al., Chen et al., 2023) accepts x with probability
+min(1, p(x) / q(x)) and at the first rejection draws from normalise(max(p - q, 0)). Prompt
+lookup's drafts are deterministic: q is one-hot at x, so x is to be accepted with probability
+p(x), and a rejection draws from p without x. The test "does plain sampling at this index give
+x?" does exactly that: it does with probability p(x), and when it does not, the token it gives
+is distributed as p without x. The sampler's noise is hashed from (the request's seed, the
+token's index) (layers/sampler.py), so that token is the very one plain decoding would have
+drawn there: the emitted tokens are plain sampling's, token for token, and drafts only change
+how many come per step, never which. Greedy rows are the special case whose sample is the
+argmax. (A draft model that samples its own distribution would need the full rule, with noise
+streams of its own; it is not built.)
 
 So the runner needs nothing new but graphs of those shapes and room for their rows: for each
 batch bucket b (powers of two up to the drafter's largest batch) a graph of b chunks of k + 1
