@@ -92,7 +92,8 @@ def cache_counters(urls: list[str]) -> tuple[float, float]:
     hits = prompt = 0.0
     for url in urls:
         for line in urllib.request.urlopen(url + "/metrics").read().decode().splitlines():
-            name, _, value = line.partition(" ")
+            labelled_name, _, value = line.partition(" ")
+            name = labelled_name.partition("{")[0]  # (each is labelled with the model's name)
             if name == "nanograph:prefix_cache_hit_tokens":
                 hits += float(value)
             elif name == "nanograph:prompt_tokens_total":
