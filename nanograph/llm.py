@@ -238,8 +238,6 @@ class LLM(contextlib.AbstractContextManager):  # `with LLM(...) as llm:` closes 
                                  adapter=adapter,
                                  cache_salt=0 if adapter is None else adapter.cache_salt))
         seqs[0].forks = seqs[1:]  # they start once the first has computed the prompt (scheduler.py)
-        for fork in seqs[1:]:
-            fork.prompt_logprobs = None  # (the first's are the request's)
         request = Request(request_id, prompt, seqs, self.tokenizer)
         self.scheduler.waiting.append(seqs[0])
         self.requests[request_id] = request
@@ -295,10 +293,9 @@ class LLM(contextlib.AbstractContextManager):  # `with LLM(...) as llm:` closes 
                     request = self.requests[seq.request_id]
                     changed[seq.request_id] = request
                     if (stop := request.update_text(seq)) is not None:
-                        self.scheduler.finish(seq, "stop", stop)  # (nothing if it finished already)
-                        # outranks the length limit
-                        seq.finish_reason = "stop"
-                        seq.stop_reason = stop
+                        self.scheduler.finish(seq)  # (nothing if it finished already)
+                        # a stop string outranks the length limit
+                        seq.finish_reason, seq.stop_reason = "stop", stop
         except BaseException:  # nothing in flight can be trusted: every request ends, freed
             with contextlib.suppress(Exception):  # a broken device must not hide the original error
                 torch.cuda.synchronize()  # (without CUDA this raises too: nothing to wait for)
@@ -363,4 +360,5 @@ class LLM(contextlib.AbstractContextManager):  # `with LLM(...) as llm:` closes 
                 "attention_backend": self.config.attention_backend,
                 "kv_cache_dtype": str(self.config.kv_cache_torch_dtype).removeprefix("torch."),
                 **(self.runner.graphs.stats_dict() if self.runner.graphs is not None else {}),
+                **(self.lora.stats(self.runner.graphs) if self.lora is not None else {}),
                 **(self.spec.stats(self.runner.graphs) if self.spec is not None else {})}

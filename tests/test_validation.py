@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from nanograph import LLM, SamplingParams
+from nanograph.config import Config
 
 
 @pytest.fixture(scope="module")
@@ -91,8 +92,9 @@ def test_sampling_params_take_max_tokens_none_and_prompt_logprobs():
 
 
 def test_flash_attn_needs_block_size_256(tiny_model):
+    from nanograph.kernels.backends import check_flash_attn  # (config.py's check, on CUDA)
     with pytest.raises(ValueError, match="flash_attn' needs kvcache_block_size=256"):
-        LLM(tiny_model("qwen3"), attention_backend="flash_attn", kvcache_block_size=16)
+        check_flash_attn(Config(tiny_model("qwen3"), kvcache_block_size=16))
 
 
 def test_generate_after_close_is_a_clear_error(tiny_model):

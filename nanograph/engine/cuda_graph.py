@@ -126,10 +126,8 @@ class GraphStats:
     def as_dict(self):
         decode, mixed = Counter(), Counter()
         for shape, n in self.replays.items():
-            if shape.decodes or not shape.prefill_tokens:  # (an extension's: its own figures)
+            if shape.decodes or not shape.prefill_tokens:  # (spec's verify graphs: its own figures)
                 (mixed if shape.prefill_tokens else decode)[shape.tokens] += n
-        variants = {f"{shape.decodes}x{shape.variant}": n
-                    for shape, n in self.replays.items() if shape.variant}
         figures = {}
         for kind, prefix, replays, real in (("decode", "", decode, self.real_rows),
                                             ("mixed", "mixed_", mixed, self.real_tokens)):
@@ -140,9 +138,7 @@ class GraphStats:
                         f"{prefix}graph_hit_rate": count / max(1, steps),
                         f"{prefix}padding_waste":
                             (sum(t * n for t, n in replays.items()) - real) / max(1, real)}
-        return {**figures,
-                "replays_per_bucket": dict(sorted(decode.items())),
-                "replays_per_variant": dict(sorted(variants.items()))}
+        return {**figures, "replays_per_bucket": dict(sorted(decode.items()))}
 
 
 class CudaGraphRunner:
@@ -155,9 +151,9 @@ class CudaGraphRunner:
         self.ladder = sorted({bs for bs in ladder if bs <= config.max_num_seqs}
                              or {config.max_num_seqs})
         self.variants = [0, *variants]
-        self.grid = []
-        if config.attention_backend == "triton":
-            self.grid = mixed_grid(self.ladder[-1], config.max_num_mixed_tokens)
+        # (only the triton backend sizes its prefill attention on the device: see above)
+        self.grid = (mixed_grid(self.ladder[-1], config.max_num_mixed_tokens)
+                     if config.attention_backend == "triton" else [])
         self.prefill_shapes = sorted(shapes, key=lambda shape: shape.tokens)
         self.stats = GraphStats()
         self.graphs: dict[StepShape, torch.cuda.CUDAGraph] = {}
@@ -166,7 +162,6 @@ class CudaGraphRunner:
     def stats_dict(self):
         return {"cuda_graph_sizes": self.ladder,
                 "mixed_graph_grid": self.grid,
-                "graph_variants": self.variants[1:],
                 "num_graphs": len(self.graphs),
                 "capture_seconds": round(self.capture_seconds, 3),
                 "graph_memory_bytes": self.graph_memory_bytes,

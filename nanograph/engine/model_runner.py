@@ -260,7 +260,8 @@ class ModelRunner:
         N's: from the raw logits, as vLLM reports them, PROMPT_LOGPROB_ROWS tokens at a time."""
         indices = self.upload(step.prompt_logprob_indices, torch.int64)
         targets = self.upload(step.prompt_logprob_targets, torch.int64)
-        parts = [top_logprobs(self.model.lm_head(hidden[rows]), row_targets, step.num_prompt_logprobs)
+        top_n = max(step.prompt_logprob_top_n)
+        parts = [top_logprobs(self.model.lm_head(hidden[rows]), row_targets, top_n)
                  for rows, row_targets in zip(indices.split(PROMPT_LOGPROB_ROWS),
                                               targets.split(PROMPT_LOGPROB_ROWS))]
         return Logprobs(*(torch.cat(column) for column in zip(*parts)))
@@ -285,12 +286,11 @@ class ModelRunner:
         logits, sampled, prompt_logprobs = self.run(step)
         logprobs = None
         if step.num_logprobs is not None:
-            logprobs = top_logprobs(logits, sampled, max(step.num_logprobs))
-        sampled = to_host(sampled)
-        if logprobs is not None:
-            logprobs = Logprobs(*map(to_host, logprobs))
+            logprobs = Logprobs(*map(to_host, top_logprobs(logits, sampled, max(step.num_logprobs))))
         if prompt_logprobs is not None:
             prompt_logprobs = Logprobs(*map(to_host, prompt_logprobs))
+        sampled = to_host(sampled)
+        # (after every copy to the host: `collect` waits for it)
         done = torch.cuda.current_stream().record_event() if self.device.type == "cuda" else None
         return InFlight(batch, step, sampled, logprobs, prompt_logprobs, done)
 
@@ -307,9 +307,9 @@ class ModelRunner:
         if launched.logprobs is not None:
             logprobs = logprob_dicts(ids, launched.logprobs, step.num_logprobs)
         if launched.prompt_logprobs is not None:
-            top_n = [step.num_prompt_logprobs] * len(step.prompt_logprob_targets)
-            prompt_logprobs = logprob_dicts(step.prompt_logprob_targets, launched.prompt_logprobs,
-                                            top_n)
+            entries = logprob_dicts(step.prompt_logprob_targets, launched.prompt_logprobs,
+                                    step.prompt_logprob_top_n)
+            prompt_logprobs = list(zip(step.prompt_logprob_positions, entries))
         return ids, logprobs, prompt_logprobs
 
     def close(self):

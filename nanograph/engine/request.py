@@ -34,10 +34,10 @@ class Detokenizer:
         self.num_fed = 0  # completion tokens seen
         self.text = ""
 
-    def feed(self, token_ids: list[int]):
-        """Take the completion's new tokens; return the text they complete."""
-        self.num_fed += len(token_ids)
-        piece = self.stream.step(self.tokenizer, token_ids) or ""
+    def feed(self, token_id: int):
+        """Take the completion's next token; return the text it completes."""
+        self.num_fed += 1
+        piece = self.stream.step(self.tokenizer, token_id) or ""
         self.text += piece
         return piece
 
@@ -79,7 +79,7 @@ class Request:
             tokens = tokens[:-1]  # it ended on a stop token (a stop string is found below)
         # one token at a time: a step may bring several (drafts), and a stop ends at its token
         for token in tokens[detokenizer.num_fed:]:
-            piece = detokenizer.feed([token])
+            piece = detokenizer.feed(token)
             if not params.stop or not piece or detokenizer.num_fed < params.min_tokens:
                 continue
             found = find_stop(detokenizer.text, len(piece), params.stop)
@@ -99,12 +99,16 @@ class Request:
             # hold back a possible stop's start
             if seq.status != Status.FINISHED and seq.params.stop:
                 text = text[:max(0, len(text) - max(map(len, seq.params.stop)) + 1)]
+        token_ids = seq.completion_token_ids
+        cumulative_logprob = None
+        if seq.logprobs is not None:  # (each entry holds its token's)
+            cumulative_logprob = sum(entry[token] for entry, token in zip(seq.logprobs, token_ids))
         return {"text": text,
-                "token_ids": seq.completion_token_ids,
+                "token_ids": token_ids,
                 "finish_reason": seq.finish_reason,
                 "stop_reason": seq.stop_reason,
                 "logprobs": seq.logprobs,
-                "cumulative_logprob": None if seq.logprobs is None else seq.cumulative_logprob}
+                "cumulative_logprob": cumulative_logprob}
 
     def result(self):
         """generate's dict: the first completion's keys at the top level, all n in `outputs`, and

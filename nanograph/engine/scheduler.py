@@ -44,7 +44,8 @@ n > 1: a request's other completions wait in its first sequence's `forks` while 
 prompt. When its first token comes back (`update`), the prompt's full blocks are in the prefix
 cache, and the others go to the front of `waiting`: each starts from those blocks and computes
 only the prompt's partial last block (or its last token) before sampling its own first token.
-vLLM's V1 engine does the same; without prefix caching, each computes the whole prompt.
+vLLM's V1 engine does the same; without prefix caching (or with prompt_logprobs, which skip
+the cache), each computes the whole prompt.
 
 Extensions. A scheduler may be handed a `slots` table: a resource of its own that each step's
 sequences need beside KV blocks (lora/slots.py's adapter slots are one). It may refuse a
@@ -52,10 +53,10 @@ sequence at admission (`can_admit`) and it annotates each step (`assign`: the st
 `variant` and its `extras`, which travel untouched to the model runner's extensions). Without
 one (`None`) the scheduler is exactly the above.
 
-Speculative decoding (spec/) replaces the scheduler with a subclass that overrides the two
-steps in between: `make_batch` (which sequences compute how many tokens) and `account`, and
-extends `update`; its batches (a subclass of `Batch`) name their own `kind`, and ask with
-`overlap=False` to be collected before the next step is scheduled.
+Speculative decoding (spec/) replaces the scheduler with a subclass that overrides `commit`
+(the step made from the sequences chosen) and extends `update`; its batches (a subclass of
+`Batch`) name their own `kind`, and ask with `overlap=False` to be collected before the next
+step is scheduled.
 """
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -75,8 +76,6 @@ class Batch:
     # per sampling row: who gets its token, the index in seqs of the sequence whose logits it
     # samples, and the index in its sequence of the token it samples
     rows: list[tuple[Sequence, int, int]] = field(default_factory=list)
-    # (index in seqs, position p): prompt positions whose next token's logprobs the step computes
-    prompt_positions: list[tuple[int, int]] = field(default_factory=list)
     variant: int = 0  # which of the runner's graph variants the step needs; 0 = the base model's
     extras: dict = field(default_factory=dict)  # what the slots table attached, for the runner
     overlap: bool = True  # False: collect it before scheduling the next step (llm.py)
@@ -114,8 +113,11 @@ class Scheduler:
         return self.commit(decodes, prefills) if decodes or prefills else None
 
     def commit(self, decodes: list[Sequence], prefills: list[tuple[Sequence, int]]) -> Batch:
-        """The step of `decodes` and `prefills`: made, accounted for as computed, counted."""
-        batch = self.make_batch(decodes, prefills)
+        """The step of `decodes` (one token each) and `prefills`: made, accounted for as
+        computed, counted."""
+        batch = Batch(seqs=decodes + [seq for seq, _ in prefills],
+                      num_decodes=len(decodes),
+                      num_tokens=[1] * len(decodes) + [chunk for _, chunk in prefills])
         self.account(batch)
         self.steps[batch.kind] += 1
         return batch
@@ -171,12 +173,6 @@ class Scheduler:
             return False
         return seq.num_blocks <= self.block_manager.num_free_blocks
 
-    def make_batch(self, decodes: list[Sequence], prefills: list[tuple[Sequence, int]]) -> Batch:
-        """The step's sequences and their tokens: one for each decode row, then the chunks."""
-        return Batch(seqs=decodes + [seq for seq, _ in prefills],
-                     num_decodes=len(decodes),
-                     num_tokens=[1] * len(decodes) + [chunk for _, chunk in prefills])
-
     def account(self, batch: Batch):
         """Treat `batch` as computed: the slots table's say, counters advanced, a placeholder for
         each sampling row."""
@@ -184,9 +180,6 @@ class Scheduler:
             self.slots.assign(batch, self.running)
         for i, (seq, num_tokens) in enumerate(zip(batch.seqs, batch.num_tokens)):
             batch.starts.append(seq.num_computed_tokens)
-            if seq.prompt_logprobs is not None:  # (a decode row's range is empty)
-                last = min(seq.num_computed_tokens + num_tokens, seq.num_prompt_tokens - 1)
-                batch.prompt_positions += [(i, p) for p in range(seq.num_computed_tokens, last)]
             seq.num_computed_tokens += num_tokens
             if seq.num_computed_tokens < len(seq):
                 continue  # a prefill chunk (not the prompt's end) samples nothing
@@ -213,11 +206,12 @@ class Scheduler:
         self.waiting.insert(1 if self.waiting and self.waiting[0].block_table else 0, seq)
 
     def update(self, batch: Batch, sampled: list[int], logprobs: list[dict | None] | None = None,
-               prompt_logprobs: list[dict] | None = None):
+               prompt_logprobs: list[tuple[tuple[int, int], dict]] | None = None):
         """Account for a collected step: each row's token (and its logprobs, when asked) into its
-        sequence, and the prompt logprobs it computed. Returns the sequences that got a token
-        (finished ones with their reason)."""
-        for (index, position), entry in zip(batch.prompt_positions, prompt_logprobs or ()):
+        sequence, and the prompt logprobs it computed, each ((index in seqs, position p), the
+        entry of the token after p). Returns the sequences that got a token (finished ones with
+        their reason)."""
+        for (index, position), entry in prompt_logprobs or ():
             # (a recompute after preemption writes the same entries again)
             batch.seqs[index].prompt_logprobs[position + 1] = entry
         for seq, start, num_tokens in zip(batch.seqs, batch.starts, batch.num_tokens):
@@ -239,7 +233,6 @@ class Scheduler:
             seq.forks = []
             if seq.logprobs is not None:
                 seq.logprobs.append(logprobs[row])
-                seq.cumulative_logprob += logprobs[row][token]
             if token in seq.stop_ids:
                 stop_id = token if token in (seq.params.stop_token_ids or ()) else None
                 seq.truncate(index + 1)  # (drafts after it, spec/)

@@ -48,10 +48,8 @@ class Sequence:
         self.stop_reason: int | str | None = None  # the stop id or stop string that ended it
         self.logprobs: list[dict] | None = [] if self.params.logprobs is not None else None
         # prompt_logprobs: entry i for prompt token i, None for the first (nothing predicts it)
-        self.prompt_logprobs: list[dict | None] | None = None
-        if self.params.prompt_logprobs is not None:
-            self.prompt_logprobs = [None] * self.num_prompt_tokens
-        self.cumulative_logprob = 0.0
+        self.prompt_logprobs: list[dict | None] | None = (
+            None if self.params.prompt_logprobs is None else [None] * self.num_prompt_tokens)
 
     def __len__(self):
         return len(self.token_ids)
@@ -66,11 +64,8 @@ class Sequence:
 
     def truncate(self, length: int):
         """Keep the first `length` tokens (and their logprobs): drafts, or tokens past a stop."""
-        completion_length = max(length - self.num_prompt_tokens, 0)
         if self.logprobs is not None:
-            for entry, token in zip(self.logprobs[completion_length:], self.token_ids[length:]):
-                self.cumulative_logprob -= entry[token]
-            del self.logprobs[completion_length:]
+            del self.logprobs[max(length - self.num_prompt_tokens, 0):]
         del self.token_ids[length:]
 
     @property

@@ -53,9 +53,10 @@ class StepInput:
     num_logprobs: list[int] | None = None
     banned: list[tuple[int, int]] = field(default_factory=list)  # (row, token) masked: min_tokens
     # prompt logprobs: the tokens whose hidden states score the prompt token after them
+    prompt_logprob_positions: list[tuple[int, int]] = field(default_factory=list)  # (seq, position)
     prompt_logprob_indices: list[int] = field(default_factory=list)  # a token's index in the step
     prompt_logprob_targets: list[int] = field(default_factory=list)  # the prompt token it scores
-    num_prompt_logprobs: int = 0  # the top N returned with each (the step's largest)
+    prompt_logprob_top_n: list[int] = field(default_factory=list)  # its request's N
     # per step
     variant: int = 0                      # which graph variant it needs (Batch.variant)
     extras: dict = field(default_factory=dict)  # what extensions attached (Batch.extras)
@@ -99,8 +100,14 @@ def build_step(batch: Batch, block_size) -> StepInput:
                      variant=batch.variant,
                      extras=batch.extras)
     width = max(len(seq.block_table) for seq in batch.seqs)
-    for seq, start, num_tokens in zip(batch.seqs, batch.starts, batch.num_tokens):
+    for i, (seq, start, num_tokens) in enumerate(zip(batch.seqs, batch.starts, batch.num_tokens)):
         end = start + num_tokens
+        if seq.prompt_logprobs is not None:  # the prompt positions before its last, in this chunk
+            for position in range(start, min(end, seq.num_prompt_tokens - 1)):
+                step.prompt_logprob_positions.append((i, position))
+                step.prompt_logprob_indices.append(len(step.input_ids) + position - start)
+                step.prompt_logprob_targets.append(seq.token_ids[position + 1])
+                step.prompt_logprob_top_n.append(seq.params.prompt_logprobs)
         step.input_ids += seq.token_ids[start:end]
         step.positions += range(start, end)
         table = seq.block_table
@@ -123,11 +130,6 @@ def build_step(batch: Batch, block_size) -> StepInput:
         step.top_ps = [p.top_p for p in params]
     if any(p.logprobs is not None for p in params):
         step.num_logprobs = [-1 if p.logprobs is None else p.logprobs for p in params]
-    for index, position in batch.prompt_positions:
-        seq = batch.seqs[index]
-        step.prompt_logprob_indices.append(step.cu_seqlens_q[index] + position - batch.starts[index])
-        step.prompt_logprob_targets.append(seq.token_ids[position + 1])
-        step.num_prompt_logprobs = max(step.num_prompt_logprobs, seq.params.prompt_logprobs)
     return step
 
 
@@ -162,8 +164,9 @@ class StepBuffers:
         largest = StepShape(decodes=max_tokens, chunks=max_seqs, rows=max_seqs)
         size = self.layout(largest)["block_tables"].stop
         self.device_flat = torch.zeros(size, dtype=torch.int32, device=device)
-        pin = torch.device(device).type == "cuda"
-        self.host_flats = [torch.zeros(size, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+        pinned = torch.device(device).type == "cuda"
+        self.host_flats = [torch.zeros(size, dtype=torch.int32, pin_memory=pinned)
+                           for _ in range(2)]
         self.turn = 0
 
     def layout(self, shape: StepShape) -> dict[str, slice]:

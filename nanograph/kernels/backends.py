@@ -7,8 +7,8 @@ q [tokens, Hq, D], the caches [blocks, block_size, Hkv, D], `inputs` the part's
 - `triton`: paged_prefill.py for prefill chunks; its decode is not here but in the layer,
   because paged_decode.py rotates, stores and attends in one kernel.
 - `flash_attn`: flash-attn's varlen prefill and `flash_attn_with_kvcache` decode, reading the
-  cache through the same block tables (it needs 256-token blocks, config.py checks). An
-  optional package: imported when the backend runs.
+  cache through the same block tables (it needs 256-token blocks and a cache of the model's
+  dtype: `check_flash_attn`). An optional package: imported when the backend runs.
 """
 import torch
 import torch.nn.functional as F
@@ -20,6 +20,15 @@ from nanograph.utils.context import AttentionInputs
 def triton_prefill(q, k_cache, v_cache, inputs: AttentionInputs, scale: float):
     return paged_prefill_attention(q, k_cache, v_cache, inputs.cu_seqlens_q, inputs.context_lens,
                                    inputs.block_tables, inputs.max_seqlen_q, scale)
+
+
+def check_flash_attn(config):
+    """ValueError for a config the flash_attn backend cannot run (config.py asks, on CUDA)."""
+    if config.kvcache_block_size != 256:
+        raise ValueError("attention_backend='flash_attn' needs kvcache_block_size=256, "
+                         f"got {config.kvcache_block_size}")
+    if config.kv_cache_dtype == "fp8":
+        raise ValueError("attention_backend='flash_attn' cannot read kv_cache_dtype='fp8'")
 
 
 def flash_attn_prefill(q, k_cache, v_cache, inputs: AttentionInputs, scale: float):

@@ -16,7 +16,7 @@ from nanograph.layers.norm import rms_norm
 def rope_frequencies(head_dim: int, rope: dict):
     inv_freq = 1.0 / (rope["rope_theta"]
                       ** (torch.arange(0, head_dim, 2).float() / head_dim))
-    kind = rope.get("rope_type", rope.get("type", "default"))
+    kind = rope.get("rope_type", "default")  # (transformers' rope_parameters)
     if kind == "default":
         return inv_freq
     if kind == "linear":

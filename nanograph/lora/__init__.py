@@ -23,6 +23,16 @@ class LoRA:
         self.runner_extension = LoRARunnerExtension(max_loras, max_rank)
         self.checked: dict[LoRARequest, Adapter] = {}
 
+    def stats(self, graphs) -> dict:
+        """The rank buckets' decode graphs and their replays ("{batch}x{rank}"), from the graph
+        runner's counters (None: no graphs)."""
+        if graphs is None:
+            return {}
+        replays = {f"{shape.decodes}x{shape.variant}": count
+                   for shape, count in graphs.stats.replays.items() if shape.variant}
+        return {"graph_variants": list(self.runner_extension.graph_variants),
+                "replays_per_variant": dict(sorted(replays.items()))}
+
     def adapter(self, name: str, request) -> Adapter:
         """The adapter of a request's `lora_request`; ValueError (naming the request) if bad."""
         if not isinstance(request, LoRARequest):

@@ -98,11 +98,7 @@ class DecoderModel(nn.Module):
         # (its weight left unset, not drawn at random: the loader fills it)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
-        rope = dict(getattr(cfg, "rope_parameters", None)
-                    or getattr(cfg, "rope_scaling", None)
-                    or {})
-        rope.setdefault("rope_theta", getattr(cfg, "rope_theta", 10000.0))
-        rotary = RotaryEmbedding(head_dim(cfg), cfg.max_position_embeddings, rope)
+        rotary = RotaryEmbedding(head_dim(cfg), cfg.max_position_embeddings, cfg.rope_parameters)
         self.layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

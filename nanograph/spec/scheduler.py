@@ -1,14 +1,14 @@
 """The scheduler with drafts: decode rows become verify chunks, rejected drafts are cut.
 
 A subclass of the base scheduler (engine/scheduler.py), installed by llm.py in its place. It
-changes a step at three points:
-- `make_batch`: the drafter (drafter.py) may give each decode row guesses of the tokens after
-  its last one. They are appended to its tokens, as many as its length limits and a free block
+changes a step at two points:
+- `commit`: the drafter (drafter.py) may give each decode row guesses of the tokens after its
+  last one. They are appended to its tokens, as many as its length limits and a free block
   allow (drafts never preempt), and the row becomes a prefill chunk of 1 + drafts tokens over
-  its cache. Such a step is collected before the next is scheduled (`overlap=False`): its
-  sequences' lengths are unknown until then.
-- `account`: every token of a drafted chunk samples, the target's own token at each draft's
-  index; those check rows come before the base path's rows (one per sequence, at its end).
+  its cache, every token of which samples: the target's own token at each draft's index (those
+  check rows come before the base path's rows, one per sequence at its end). Such a step is
+  collected before the next is scheduled (`overlap=False`): its sequences' lengths are unknown
+  until then.
 - `update`: the first draft its row contradicts is replaced by the row's token and everything
   after it cut (tokens, computed count, blocks), before the base path's update, so the prefix
   cache and the block table only ever hold tokens the target chose. Then the drafter counts.
@@ -31,20 +31,30 @@ class SpeculativeScheduler(Scheduler):
         super().__init__(*args, **kwargs)
         self.drafter = drafter
 
-    def make_batch(self, decodes: list[Sequence], prefills: list[tuple[Sequence, int]]) -> Batch:
+    def commit(self, decodes: list[Sequence], prefills: list[tuple[Sequence, int]]) -> Batch:
         proposed = self.drafter.propose(decodes, prefills)
         if proposed is None:  # a plain step
-            return super().make_batch(decodes, prefills)
+            return super().commit(decodes, prefills)
         num_drafts = [self.add_drafts(seq, drafts) for seq, drafts in zip(decodes, proposed)]
         if not any(num_drafts):  # none to check, but collected first so that the next step drafts
-            batch = super().make_batch(decodes, prefills)
+            batch = super().commit(decodes, prefills)
             batch.overlap = False
             return batch
-        return VerifyBatch(seqs=decodes,  # (the drafter drafts only where nothing prefills)
-                           num_decodes=0,
-                           num_tokens=[1 + count for count in num_drafts],
-                           num_draft_tokens=sum(num_drafts),
-                           overlap=False)
+        batch = VerifyBatch(seqs=decodes,  # (the drafter drafts only where nothing prefills)
+                            num_decodes=0,
+                            num_tokens=[1 + count for count in num_drafts],
+                            num_draft_tokens=sum(num_drafts),
+                            overlap=False)
+        # each draft's index is sampled by the token before it: (sequence, its index, the index)
+        checks = [(seq, i, index) for i, (seq, count) in enumerate(zip(decodes, num_drafts))
+                  for index in range(len(seq) - count, len(seq))]
+        self.account(batch)
+        batch.rows = checks + batch.rows
+        for row, (seq, _, index) in enumerate(batch.rows):  # placeholders name their new rows
+            if seq.token_ids[index] < 0:
+                seq.token_ids[index] = -1 - row
+        self.steps[batch.kind] += 1
+        return batch
 
     def add_drafts(self, seq: Sequence, drafts: list[int]) -> int:
         """Append what fits of `drafts` to `seq`; how many did. They stop a token short of its
@@ -55,19 +65,6 @@ class SpeculativeScheduler(Scheduler):
         if not self.block_manager.append_slot(seq):
             seq.truncate(seq.num_computed_tokens + 1)
         return len(seq) - seq.num_computed_tokens - 1
-
-    def account(self, batch: Batch):
-        if not isinstance(batch, VerifyBatch):
-            return super().account(batch)
-        # each draft's index is sampled by the token before it: (sequence, its index, the index)
-        checks = [(seq, i, index)
-                  for i, (seq, num_tokens) in enumerate(zip(batch.seqs, batch.num_tokens))
-                  for index in range(len(seq) - num_tokens + 1, len(seq))]
-        super().account(batch)
-        batch.rows = checks + batch.rows
-        for row, (seq, _, index) in enumerate(batch.rows):  # placeholders name their new rows
-            if seq.token_ids[index] < 0:
-                seq.token_ids[index] = -1 - row
 
     def update(self, batch: Batch, sampled: list[int], *logprobs):
         for (seq, _, index), token in zip(batch.rows, sampled):
