@@ -34,6 +34,7 @@ round_robin's, with more tokens/s.
 import dataclasses
 import json
 import random
+import time
 import urllib.request
 from dataclasses import dataclass
 
@@ -87,6 +88,17 @@ def replica_urls(server: ServerProcess, replicas: int) -> list[str]:
         return [worker["url"] for worker in json.load(answer)["workers"]]
 
 
+def wait_for_workers(server: ServerProcess, replicas: int, seconds: float = 60.0) -> None:
+    """smg answers /health as soon as it listens, and registers its workers a moment later
+    (asking each for its model): until then a request gets its 404 "No worker available". Wait
+    until its /workers lists them all."""
+    deadline = time.monotonic() + seconds
+    while len(replica_urls(server, replicas)) < replicas:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"smg registered fewer than {replicas} workers in {seconds:.0f} s")
+        time.sleep(0.1)
+
+
 def cache_counters(urls: list[str]) -> tuple[float, float]:
     """(prompt tokens found in the prefix cache, prompt tokens) summed over the replicas."""
     hits = prompt = 0.0
@@ -119,6 +131,7 @@ def run_server(setup: Setup, knobs: dict, server_name: str, flags: list[str], re
     log = f"{setup.model_dir}.{replicas}.{len(flags)}.server.log"
     with (ServerProcess(setup.model_dir, knobs, log, flags) as server,
           HttpClient(server.url, model=setup.model_dir, text_prompts=True) as client):
+        wait_for_workers(server, replicas)
         drive(client, setup.warmup, warmup_run(setup).arrivals)
         urls = replica_urls(server, replicas)
         rows = []

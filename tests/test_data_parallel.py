@@ -79,6 +79,9 @@ class Front:
         while time.monotonic() < deadline and self.proc.poll() is None:
             if status(self.url) == 200:
                 self.replica_health_at_open = [status(url) for url in self.replicas()]
+                # smg registers its workers a moment after its port opens (docs/serving.md)
+                assert wait_until(lambda: len(httpx.get(self.url + "/workers").json()["workers"])
+                                  == 2, timeout=60)
                 return
             time.sleep(0.05)
         raise AssertionError(f"the front port did not become ready:\n{self.log()[-5000:]}")
