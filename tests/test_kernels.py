@@ -664,3 +664,69 @@ def test_decode_interpreter_wide_tiles(monkeypatch):
 @pytest.mark.parametrize("group,head_dim", [(1, 64), (4, 48)])
 def test_prefill_interpreter(dtype, group, head_dim):
     check_prefill("cpu", dtype, 16, group, head_dim, [(1, 1), (17, 17), (5, 40), (70, 75)])
+
+
+def check_step_attention(device, dtype, decode_lens, chunks, fp8=False):
+    """backends.triton_attention on a whole step (decode rows, then prefill chunks of (new
+    tokens, context)) against the torch backend's part by part: outputs and caches."""
+    from nanograph.kernels.backends import triton_attention
+    from nanograph.layers.attention import torch_attend, torch_rotate_and_store
+    from nanograph.utils.context import AttentionInputs, StepMetadata
+    gen = torch.Generator().manual_seed(len(decode_lens) * 100 + len(chunks))
+    block_size, num_q_heads, num_kv_heads, head_dim = 16, 4, 2, 32
+    lens = decode_lens + [context for _, context in chunks]
+    k_cache, v_cache, tables = paged_inputs(lens, block_size, num_kv_heads, head_dim, dtype, gen)
+    new_tokens = [1] * len(decode_lens) + [count for count, _ in chunks]
+    positions = [p for n, ctx in zip(new_tokens, lens) for p in range(ctx - n, ctx)]
+    seq_of_token = [s for s, n in enumerate(new_tokens) for _ in range(n)]
+    slots = torch.tensor([tables[s, p // block_size] * block_size + p % block_size
+                          for s, p in zip(seq_of_token, positions)], device=device)
+    qkv = torch.randn(len(positions), num_q_heads + 2 * num_kv_heads, head_dim, generator=gen)
+    q, k, v = qkv.to(device, dtype).split([num_q_heads, num_kv_heads, num_kv_heads], dim=1)
+    rope = RotaryEmbedding(head_dim, 4096, {"rope_theta": 10000.0}).to(device, dtype)
+    weights = [(1 + 0.1 * torch.randn(head_dim, generator=gen)).to(device, dtype) for _ in range(2)]
+    rotary = (rope.cos, rope.sin, *weights, 1e-6)
+    n = len(decode_lens)
+    lens, tables = torch.tensor(lens, dtype=torch.int32, device=device), tables.to(device)
+    md = StepMetadata(num_decodes=n, slot_mapping=slots)
+    if n:
+        md.decode = AttentionInputs(slots[:n], lens[:n], tables[:n])
+    if chunks:
+        cu = torch.tensor(new_tokens[n:], device=device).cumsum(0, dtype=torch.int32)
+        md.prefill = AttentionInputs(slots[n:], lens[n:], tables[n:],
+                                     cu_seqlens_q=torch.nn.functional.pad(cu, (1, 0)),
+                                     max_seqlen_q=max(count for count, _ in chunks))
+    cache_dtype = torch.float8_e4m3fn if fp8 else dtype
+    caches = [[c.nan_to_num().to(device, cache_dtype) for c in (k_cache, v_cache)] for _ in range(2)]
+    positions = torch.tensor(positions, device=device)
+    scale = head_dim ** -0.5
+    out = triton_attention(q, k, v, positions, md, rotary, *caches[0], scale)
+    expected = []
+    for rows, inputs in ((slice(0, n), md.decode), (slice(n, None), md.prefill)):
+        if inputs is not None:
+            part_q = torch_rotate_and_store(q[rows], k[rows], v[rows], positions[rows], *rotary,
+                                            *caches[1], inputs.slot_mapping)
+            expected.append(torch_attend(part_q, *caches[1], inputs, scale))
+    tolerance = dict(atol=2e-2, rtol=2e-2) if dtype != torch.float32 else {}
+    torch.testing.assert_close(out.float(), torch.cat(expected).float(), **tolerance)
+    for mine, theirs in zip(caches[0], caches[1]):
+        torch.testing.assert_close(mine.float(), theirs.float(), **tolerance)
+
+
+@requires_interpreter
+@pytest.mark.parametrize("decode_lens,chunks", [
+    ([20, 5, 33], [(7, 7), (5, 40)]),            # a mixed step, few decode rows
+    ([20, 5, 33, 1, 17, 64], [(16, 50)]),        # a mixed step, more than FUSED_MAX_BATCH
+    ([], [(9, 9), (3, 30)]),                     # prefill only
+    ([20, 5, 33], []),                           # decode only: the fused kernel
+])
+def test_step_attention_interpreter(decode_lens, chunks):
+    check_step_attention("cpu", torch.float32, decode_lens, chunks)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("decode_lens", [[20, 5, 33], [20, 5, 33, 1, 17, 64, 300, 1000]])
+def test_step_attention(decode_lens, fp8):
+    check_step_attention("cuda", torch.bfloat16, decode_lens, [(7, 7), (16, 500)], fp8)

@@ -110,7 +110,8 @@ def measure(args, attention, batch: int, context: int,
 def plan_text(args, batch: int, context: int, cache_dtype: torch.dtype) -> str:
     plan = paged_decode.decode_plan(batch, args.kv_heads, args.head_dim, args.block_size,
                                     table_width(args, context), cache_dtype.itemsize,
-                                    torch.device(args.device))
+                                    torch.device(args.device),
+                                    fused=batch <= paged_decode.FUSED_MAX_BATCH)
     return f"{plan.num_splits:3d} x {plan.keys_per_tile:3d}"
 
 

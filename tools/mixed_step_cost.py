@@ -54,7 +54,7 @@ def main():
     new_tokens = STEPS * (len(args.prefill_tokens) + 2) + 64  # the decoding sequences outlast us
     llm = LLM(path, load_format="dummy", device=args.device, max_num_seqs=args.decodes + 1,
               overlap_scheduling=False, enable_prefix_caching=False,
-              max_model_len=max(long_prompt, args.context + new_tokens))
+              max_model_len=max(long_prompt, args.context) + new_tokens)
     rng = random.Random(0)
     max_token_id = min(10000, SHAPES[args.shape]["vocab_size"] - 1)
 

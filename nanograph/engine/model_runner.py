@@ -208,7 +208,7 @@ class ModelRunner:
         decodes = slice(0, shape.decodes)  # the decode part, then the prefill part
         chunks = slice(shape.decodes, None)
         slots, lens, tables = inputs["slot_mapping"], inputs["context_lens"], inputs["block_tables"]
-        md = StepMetadata(num_decodes=shape.decodes)
+        md = StepMetadata(num_decodes=shape.decodes, slot_mapping=slots)
         if shape.decodes:
             md.decode = AttentionInputs(slots[decodes], lens[decodes], tables[decodes])
         if shape.prefill_tokens:

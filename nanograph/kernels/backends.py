@@ -4,8 +4,11 @@ Every backend attends a part of a step (its decode rows or its prefill chunks) a
 `attend(q, k_cache, v_cache, inputs, scale)`, with q rotated and the new K/V already stored:
 q [tokens, Hq, D], the caches [blocks, block_size, Hkv, D], `inputs` the part's
 `AttentionInputs` (utils/context.py). Here are the two that run on the GPU, as (prefill, decode):
-- `triton`: paged_prefill.py for prefill chunks; its decode is not here but in the layer,
-  because paged_decode.py rotates, stores and attends in one kernel.
+- `triton`: `triton_attention` takes the whole step, both parts, rotary and the K/V store
+  included: a decode-only step is paged_decode.py's (one kernel at small batch); a step with
+  prefill chunks rotates and stores every token in one launch (kv_store.py), then the decode
+  kernel attends the decode rows and paged_prefill.py the chunks, each writing its rows of one
+  output. A mixed step so costs the decode step one launch more a layer, not three.
 - `flash_attn`: flash-attn's varlen prefill and `flash_attn_with_kvcache` decode, reading the
   cache through the same block tables (it needs 256-token blocks and a cache of the model's
   dtype: `check_flash_attn`). An optional package: imported when the backend runs.
@@ -13,13 +16,30 @@ q [tokens, Hq, D], the caches [blocks, block_size, Hkv, D], `inputs` the part's
 import torch
 import torch.nn.functional as F
 
+from nanograph.kernels.kv_store import rotate_and_store
+from nanograph.kernels.paged_decode import attend_rotated, paged_decode_attention
 from nanograph.kernels.paged_prefill import paged_prefill_attention
-from nanograph.utils.context import AttentionInputs
+from nanograph.utils.context import AttentionInputs, StepMetadata
 
 
-def triton_prefill(q, k_cache, v_cache, inputs: AttentionInputs, scale: float):
-    return paged_prefill_attention(q, k_cache, v_cache, inputs.cu_seqlens_q, inputs.context_lens,
-                                   inputs.block_tables, inputs.max_seqlen_q, scale)
+def triton_attention(q, k, v, positions, md: StepMetadata, rotary: tuple, k_cache, v_cache,
+                     scale: float) -> torch.Tensor:
+    """A step's attention on nanograph's kernels: q [tokens, Hq, D], k and v [tokens, Hkv, D]
+    straight out of the QKV projection, `rotary` the layer's (cos, sin, q_weight, k_weight,
+    eps). Returns [tokens, Hq, D]."""
+    decode, prefill, num_decodes = md.decode, md.prefill, md.num_decodes
+    if prefill is None:
+        return paged_decode_attention(q, k, v, positions, decode.slot_mapping, *rotary, k_cache,
+                                      v_cache, decode.block_tables, decode.context_lens, scale)
+    q = rotate_and_store(q, k, v, positions, *rotary, k_cache, v_cache, md.slot_mapping)
+    out = torch.empty_like(q)
+    if decode is not None:
+        attend_rotated(q[:num_decodes], k_cache, v_cache, decode.block_tables,
+                       decode.context_lens, scale, out=out[:num_decodes])
+    paged_prefill_attention(q[num_decodes:], k_cache, v_cache, prefill.cu_seqlens_q,
+                            prefill.context_lens, prefill.block_tables, prefill.max_seqlen_q,
+                            scale, out=out[num_decodes:])
+    return out
 
 
 def check_flash_attn(config):
@@ -51,5 +71,5 @@ def flash_attn_decode(q, k_cache, v_cache, inputs: AttentionInputs, scale: float
     return out.squeeze(1)
 
 
-# name -> (prefill, decode); triton's decode is the layer's (see above)
-BACKENDS = {"triton": (triton_prefill, None), "flash_attn": (flash_attn_prefill, flash_attn_decode)}
+# name -> (prefill, decode), for the layer's parts (triton takes whole steps: above)
+BACKENDS = {"flash_attn": (flash_attn_prefill, flash_attn_decode)}

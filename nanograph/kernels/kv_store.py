@@ -26,7 +26,7 @@ captured with never writes garbage into live blocks.
 FP8 cache. A cache tensor of dtype float8_e4m3fn (``kv_cache_dtype="fp8"``) holds K/V as
 ``e4m3(x / scale)``, one scale per tensor (``k_scale``, ``v_scale``; the engine passes 1.0, as
 vLLM does by default), saturated at e4m3's largest finite value 448 instead of becoming NaN.
-The attention kernels load the bytes, widen them to the model dtype in registers and fold the
+The attention kernels load the bytes, widen them in registers (tiles.py) and fold the
 scales into the softmax scale (K) and the output (V), so a half-size cache is also half the bytes
 read. The error: e4m3 keeps 3 mantissa bits, a relative rounding error of at most 2**-4 (2.6%
 of the norm on Gaussian data) at every magnitude from its smallest normal 2**-6 to 448; below

@@ -44,8 +44,8 @@ Hkv programs of one sequence run side by side, and as they walk their tiles toge
 each key's ``[Hkv, D]`` row, contiguous in the cache, as a whole, instead of ``D``-element pieces
 of rows whose other heads are read at another time (another DRAM page opening each).
 
-FP8. A float8_e4m3fn cache (kv_store.py) is loaded as bytes and widened to the model dtype in
-registers before the products; k_scale multiplies the softmax scale and v_scale the output, so
+FP8. A float8_e4m3fn cache (kv_store.py) is loaded as bytes and widened in registers before
+the products (to float16 beside a bfloat16 model: tiles.py); k_scale multiplies the softmax scale and v_scale the output, so
 the loop does no extra work a key. The new token's row is rounded to e4m3 before the fused path
 splices it in, so this step reads what later steps will.
 
@@ -80,7 +80,7 @@ import triton.language as tl
 
 from nanograph.kernels.kv_store import norm_rotate, rotary_angles, rotate_and_store, to_cache_dtype
 from nanograph.kernels.pdl import launch_options, wait_for_previous_kernel
-from nanograph.kernels.tiles import load_kv_tile, online_softmax_step
+from nanograph.kernels.tiles import fp16_products, load_kv_tile, online_softmax_step
 
 # The split path's launch, tuned with tools/kv_bandwidth.py at batch 256, context 1024: keys a
 # tile of a 2-byte cache (an fp8 tile holds twice as many), warps, pipeline stages, and the
@@ -150,7 +150,7 @@ def _decode_kernel(
     half,
     FUSED: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, D_PAD: tl.constexpr, HAS_NORM: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FP16_PRODUCTS: tl.constexpr, PDL: tl.constexpr,
 ):
     """FUSED: q, k, v as the projection made them, normed, rotated and stored here. Otherwise q
     is already rotated and every key, the new one too, is in the cache: the rotary and new-token
@@ -215,6 +215,8 @@ def _decode_kernel(
     else:
         q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + dims[None, :],
                     mask=out_mask, other=0.0)
+    if FP16_PRODUCTS:  # an fp8 cache's tiles then widen to float16 (tiles.py)
+        q = q.to(tl.float16)
 
     for tile in range(tile_begin, tile_end):
         if not FUSED or tile > tile_begin:  # (the fused path loaded its first tile before the wait)
@@ -266,12 +268,11 @@ class DecodePlan:
 
 
 def decode_plan(batch: int, num_kv_heads: int, head_dim: int, block_size: int, max_blocks: int,
-                cache_element_size: int, device: torch.device) -> DecodePlan:
+                cache_element_size: int, device: torch.device, fused: bool) -> DecodePlan:
     """The plan (module docstring), from static shapes only, never more splits than key tiles:
     the split path SPLIT_WAVES waves of programs over the SMs, rounded up; the fused path one
     wave, the programs an SM's registers hold, rounded down."""
     d_pad = max(16, triton.next_power_of_2(head_dim))
-    fused = batch <= FUSED_MAX_BATCH
     pairs = batch * num_kv_heads  # (sequence, KV head) pairs
     sms = _sm_count(device)
     programs = (2 if d_pad <= 64 else 1) * sms if fused else SPLIT_WAVES * sms
@@ -296,40 +297,66 @@ def paged_decode_attention(q, k, v, positions, slot_mapping, cos, sin, q_weight,
     Hkv, D], of the model's dtype or float8_e4m3fn with scales k_scale, v_scale (kv_store.py);
     block_tables: [B, max_blocks] int32; context_lens: [B] int32, the new token included.
     Stores the rotated keys and the values, and returns the attention output [B, Hq, D]."""
+    if q.shape[0] > FUSED_MAX_BATCH:  # the split path
+        q = rotate_and_store(q, k, v, positions, cos, sin, q_weight, k_weight, eps,
+                             k_cache, v_cache, slot_mapping, k_scale, v_scale)
+        return attend_rotated(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale,
+                              v_scale)
+    assert k.stride(-1) == 1 and v.stride(-1) == 1 and cos.stride(-1) == 1
+    has_norm = q_weight is not None
+    new_tokens = dict(k_ptr=k, v_ptr=v, pos_ptr=positions, slot_ptr=slot_mapping, cos_ptr=cos,
+                      sin_ptr=sin, q_w_ptr=q_weight if has_norm else cos,
+                      k_w_ptr=k_weight if has_norm else cos, eps=eps,
+                      stride_kb=k.stride(0), stride_kh=k.stride(1), stride_vb=v.stride(0),
+                      stride_vh=v.stride(1), stride_rope=cos.stride(0), HAS_NORM=has_norm)
+    return launch(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale,
+                  fused=True, new_tokens=new_tokens, out=torch.empty_like(q))
+
+
+def attend_rotated(q, k_cache, v_cache, block_tables, context_lens, scale: float,
+                   k_scale: float = 1.0, v_scale: float = 1.0, out=None) -> torch.Tensor:
+    """The split path alone, for q [B, Hq, D] rotated, with every key (the new ones too) in the
+    cache (kv_store.rotate_and_store ran); into `out` [B, Hq, D] when given."""
+    # the rotary and new-token arguments go unused: any pointer will do
+    unused = dict(k_ptr=q, v_ptr=q, pos_ptr=q, slot_ptr=q, cos_ptr=q, sin_ptr=q, q_w_ptr=q,
+                  k_w_ptr=q, eps=0.0, stride_kb=0, stride_kh=0, stride_vb=0, stride_vh=0,
+                  stride_rope=0, HAS_NORM=False)
+    return launch(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale,
+                  fused=False, new_tokens=unused, out=torch.empty_like(q) if out is None else out)
+
+
+def launch(q, k_cache, v_cache, block_tables, context_lens, scale: float, k_scale: float,
+           v_scale: float, fused: bool, new_tokens: dict, out: torch.Tensor) -> torch.Tensor:
+    """_decode_kernel on the plan for q's batch, fused or split; `new_tokens`: the kernel's
+    rotary and new-token arguments (the fused path's)."""
     batch, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
     assert q.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
-
+    assert out.stride(-1) == 1 and head_dim % 2 == 0
     d_pad = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16
     plan = decode_plan(batch, num_kv_heads, head_dim, block_size, block_tables.shape[1],
-                       k_cache.element_size(), q.device)
-    fused, num_splits = plan.fused, plan.num_splits
-
-    o_part = torch.empty(batch, num_q_heads, num_splits, d_pad, dtype=torch.float32,
+                       k_cache.element_size(), q.device, fused)
+    o_part = torch.empty(batch, num_q_heads, plan.num_splits, d_pad, dtype=torch.float32,
                          device=q.device)
-    lse = torch.empty(batch, num_q_heads, num_splits, dtype=torch.float32, device=q.device)
-    out = torch.empty(batch, num_q_heads, head_dim, dtype=q.dtype, device=q.device)
-    if not fused:
-        q = rotate_and_store(q, k, v, positions, cos, sin, q_weight, k_weight, eps,
-                             k_cache, v_cache, slot_mapping, k_scale, v_scale)
-    assert k.stride(-1) == 1 and v.stride(-1) == 1 and cos.stride(-1) == 1 and head_dim % 2 == 0
-    has_norm = q_weight is not None
-    _decode_kernel[(num_kv_heads, batch, num_splits)](
-        q, k, v, positions, slot_mapping, cos, sin,
-        q_weight if has_norm else cos, k_weight if has_norm else cos, eps,
-        k_cache, v_cache, block_tables, context_lens,
-        o_part, lse, _arrival_counters(q.device, batch * num_kv_heads), out, scale * k_scale,
-        k_scale, v_scale, num_splits,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        out.stride(0), out.stride(1), head_dim // 2,
-        FUSED=fused, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        BLOCK_SIZE=block_size, BLOCK_N=plan.keys_per_tile, D_PAD=d_pad, HAS_NORM=has_norm,
+    lse = torch.empty(batch, num_q_heads, plan.num_splits, dtype=torch.float32, device=q.device)
+    _decode_kernel[(num_kv_heads, batch, plan.num_splits)](
+        q_ptr=q, k_cache_ptr=k_cache, v_cache_ptr=v_cache, block_tables_ptr=block_tables,
+        context_lens_ptr=context_lens, o_part_ptr=o_part, lse_ptr=lse,
+        arrivals_ptr=_arrival_counters(q.device, batch * num_kv_heads), out_ptr=out,
+        scale=scale * k_scale, k_scale=k_scale, v_scale=v_scale, num_splits=plan.num_splits,
+        stride_qb=q.stride(0), stride_qh=q.stride(1), stride_cache_block=k_cache.stride(0),
+        stride_cache_slot=k_cache.stride(1), stride_cache_head=k_cache.stride(2),
+        stride_bt=block_tables.stride(0), stride_ob=out.stride(0), stride_oh=out.stride(1),
+        half=head_dim // 2, FUSED=fused, GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size,
+        BLOCK_N=plan.keys_per_tile, D_PAD=d_pad,
         # float32 inputs get exact products (not TF32) to match a float32 reference.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        FP16_PRODUCTS=fp16_products(q, k_cache),
         num_warps=FUSED_NUM_WARPS if fused else NUM_WARPS,
         num_stages=NUM_STAGES,
+        **new_tokens,
         **launch_options(q.device),
     )
     return out

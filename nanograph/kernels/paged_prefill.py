@@ -25,15 +25,15 @@ reads KV head ``h // (Hq // Hkv)``.
 The grid is ``(cdiv(max_seqlen_q, BLOCK_M), S, Hq)``; programs whose query
 block starts past their sequence's length return at once.
 
-An FP8 cache (float8_e4m3fn, kv_store.py) is widened to q's dtype tile by tile in
-registers; its K scale is folded into the softmax scale, its V scale into the output.
+An FP8 cache (float8_e4m3fn, kv_store.py) is widened tile by tile in registers (tiles.py);
+its K scale is folded into the softmax scale, its V scale into the output.
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from nanograph.kernels.tiles import load_kv_tile, online_softmax_step
+from nanograph.kernels.tiles import fp16_products, load_kv_tile, online_softmax_step
 
 
 @triton.jit
@@ -44,6 +44,7 @@ def _prefill_kernel(
     stride_cache_block, stride_cache_slot, stride_cache_head, stride_bt, head_dim,
     GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, D_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    FP16_PRODUCTS: tl.constexpr,
 ):
     q_block, seq, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     kv_head = head // GROUP
@@ -62,6 +63,8 @@ def _prefill_kernel(
     q_mask = row_mask[:, None] & dim_mask[None, :]
     q = tl.load(q_ptr + (q_start + rows)[:, None] * stride_qn + head * stride_qh + dims[None, :],
                 mask=q_mask, other=0.0)
+    if FP16_PRODUCTS:  # an fp8 cache's tiles then widen to float16 (tiles.py)
+        q = q.to(tl.float16)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max
     l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp
@@ -86,11 +89,13 @@ def _prefill_kernel(
 
 
 def paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables,
-                            max_seqlen_q, scale, k_scale: float = 1.0, v_scale: float = 1.0):
+                            max_seqlen_q, scale, k_scale: float = 1.0, v_scale: float = 1.0,
+                            out=None):
     """q: [Nq, Hq, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D], of q's dtype or
     float8_e4m3fn with scales k_scale, v_scale; cu_seqlens_q: [S + 1] int32; context_lens: [S]
-    int32; block_tables: [S, max_blocks] int32; max_seqlen_q: host int. Returns [Nq, Hq, D]."""
-    num_tokens, num_q_heads, head_dim = q.shape
+    int32; block_tables: [S, max_blocks] int32; max_seqlen_q: host int. Returns [Nq, Hq, D],
+    into `out` when given."""
+    _, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = cu_seqlens_q.shape[0] - 1
     assert q.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
@@ -99,7 +104,8 @@ def paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, blo
     block_m = 64
     # Keep the K and V tiles of one step within ~32 KB each, even at head_dim 256.
     block_n = min(block_size, 64 if d_pad <= 128 else 32)
-    out = torch.empty(num_tokens, num_q_heads, head_dim, dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty_like(q)
     grid = (triton.cdiv(max_seqlen_q, block_m), num_seqs, num_q_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, cu_seqlens_q, context_lens, block_tables,
@@ -110,6 +116,7 @@ def paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, blo
         BLOCK_N=block_n, D_PAD=d_pad,
         # float32 inputs get exact products (not TF32) to match a float32 reference.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        FP16_PRODUCTS=fp16_products(q, k_cache),
         num_warps=4 if d_pad <= 64 else 8,
     )
     return out

@@ -7,7 +7,16 @@
   running max m, the running sum of exp l and the unnormalised output acc; a new tile with a
   larger max rescales the old sums by exp(m_old - m_new), so the scores of the whole context are
   never held at once. The caller divides acc by l at the end.
+- `fp16_products`: the dtype the products take beside an FP8 cache (below).
+
+An FP8 (e4m3) tile is widened in registers before its products. To float16 that is one
+instruction per two values; to bfloat16 it is several (the GPU has no direct conversion), and
+at the bandwidth limit they are on the critical path. Every e4m3 value is exact in float16, and
+so is every bfloat16 query (8 significant bits within float16's 11, its range far inside
++-65504 after qk-norm), as are the softmax weights in [0, 1] to float16's finer rounding. So
+beside a bfloat16 model the kernels multiply in float16, with float32 accumulation as always.
 """
+import torch
 import triton
 import triton.language as tl
 
@@ -37,3 +46,9 @@ def online_softmax_step(scores, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
+
+
+def fp16_products(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether the attention kernels cast q (and so every widened tile) to float16: a bfloat16
+    model reading an FP8 cache (module docstring)."""
+    return k_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16

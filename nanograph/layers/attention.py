@@ -12,18 +12,20 @@ one query per sequence.
   right; runs anywhere (eagerly: it reads the lengths on the host); the oracle every other
   backend is tested against.
 - `triton`: nanograph's own kernels (nanograph/kernels), reading the cache in place. They
-  never synchronise with the host, so decode can be captured in a CUDA graph. For prefill, norm,
-  rotary and the K/V store are one kernel (kernels/kv_store.py); decode hands all of it to
-  kernels/paged_decode.py, which at small batch does it inside its attention kernel, one
-  dependent launch fewer per layer.
+  never synchronise with the host, so every step can be captured in a CUDA graph. Norm, rotary
+  and the K/V store are one kernel (kernels/kv_store.py), which a decode-only step at small
+  batch folds into its attention kernel (kernels/paged_decode.py): one dependent launch fewer a
+  layer. The whole step goes to kernels/backends.py at once.
 - `flash_attn`: flash-attn's paged kernels (varlen prefill, `flash_attn_with_kvcache` decode,
-  kernels/backends.py) after the fused rotate-and-store kernel of `triton`; needs block size 256. Tested on a GPU
-  against `torch`, but by name only: `auto` takes `triton`, which measured faster at small-batch
-  decode (its kernel rotates, stores and attends inside the PDL chain) and as fast end to end
-  (docs/performance.md, "Attention backends").
+  kernels/backends.py) after the fused rotate-and-store kernel of `triton`; needs block size
+  256. Tested on a GPU against `torch`, but by name only: `auto` takes `triton`, which measured
+  faster at small-batch decode (its kernel rotates, stores and attends inside the PDL chain) and
+  as fast end to end (docs/performance.md, "Attention backends").
 
-A step may have both parts, decode rows first, then prefill chunks (engine/scheduler.py): each
-part goes to its own kernel with its own `AttentionInputs`, and the outputs are concatenated.
+A step may have both parts, decode rows first, then prefill chunks (engine/scheduler.py). Here
+each part goes to its own kernels with its own `AttentionInputs`, and the outputs are
+concatenated; `triton` rotates and stores both parts' tokens with one launch and has each
+attention kernel write its rows of one output.
 """
 import torch
 import torch.nn.functional as F
@@ -90,6 +92,10 @@ class Attention(nn.Module):
 
     def forward(self, positions, q, k, v):
         md = get_step_metadata()
+        if self.backend == "triton":  # both parts at once (kernels/backends.py)
+            from nanograph.kernels.backends import triton_attention
+            return triton_attention(q, k, v, positions, md, self.rotary, self.k_cache,
+                                    self.v_cache, self.scale)
         n = md.num_decodes
         parts = [(slice(0, n), md.decode, True), (slice(n, None), md.prefill, False)]
         outs = [self.attend(positions[rows], q[rows], k[rows], v[rows], inputs, decode)
@@ -97,11 +103,6 @@ class Attention(nn.Module):
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def attend(self, positions, q, k, v, inputs: AttentionInputs, decode: bool):
-        if decode and self.backend == "triton":  # one kernel rotates, stores and attends
-            from nanograph.kernels.paged_decode import paged_decode_attention
-            return paged_decode_attention(q, k, v, positions, inputs.slot_mapping, *self.rotary,
-                                          self.k_cache, self.v_cache, inputs.block_tables,
-                                          inputs.context_lens, self.scale)
         if self.backend == "torch":
             rotate_and_store, attend = torch_rotate_and_store, torch_attend
         else:

@@ -29,6 +29,7 @@ class AttentionInputs:
 @dataclass
 class StepMetadata:
     num_decodes: int                        # tokens [0, num_decodes) decode, one a sequence
+    slot_mapping: torch.Tensor              # [tokens] the whole step's: both parts' slots
     decode: AttentionInputs | None = None   # the decode rows, if any
     prefill: AttentionInputs | None = None  # the prefill chunks after them, if any
 
