@@ -22,6 +22,8 @@ returns its figures:
                      decode-first against prefill-first scheduling
     serving_http.py  serving.py's Poisson workloads in process and through the OpenAI-compatible
                      server on 127.0.0.1 (a subprocess): the HTTP layer's cost
+    spec.py          speculative decoding: the mechanics at a set acceptance (spec_acceptance.py:
+                     the bench-only scheduler that forces it), prompt lookup on the demo model
     plot.py          --plot's figure from the JSON report
 
 A new section is a module with its `section_<name>(setup) -> dict`, a flag in bench.py's

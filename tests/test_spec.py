@@ -1,5 +1,5 @@
 """Speculative decoding's building blocks: prompt-lookup drafts (the host oracle and the batched
-tensor version, also captured in a CUDA graph) and the bench's replay proposer. The engine's use
+tensor version, also captured in a CUDA graph) and the bench's forced acceptance. The engine's use
 of them (outputs equal to plain decoding) is tests/test_spec_engine.py."""
 import random
 
@@ -45,44 +45,31 @@ def test_batched_ngram_equals_the_host_version_on_random_sequences():
 
 
 # ---- verification ---------------------------------------------------------------------------
-def test_replay_proposer_sets_the_acceptance_rate():
-    """Drafting a greedy target's own continuation with each token corrupted at rate 0.3, greedy
-    verification emits the continuation unchanged, each draft is accepted with probability 0.7,
-    and a step with k = 4 emits (1 - 0.7^5) / (1 - 0.7) tokens on average."""
+def test_bench_mechanics_run_at_the_set_acceptance(tmp_path):
+    """bench.py --spec (a)'s measurement on the tiny model: its random drafts are accepted at the
+    set rate (a model accepts next to none of them), so the counters read that rate back: every
+    draft at 1.0, about 0.7 of them per draft at 0.7 (4 standard deviations over some 140
+    verifies)."""
     import os
     import sys
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from benchmarks.spec_proposers import ReplayProposer
+    from bench import parse_args
+    from benchmarks.harness import build_setup
+    from benchmarks.spec import SPEC_K, time_forced
+    from nanograph import SamplingParams
 
-    rng = random.Random(6)
-    vocab, prompt_len, k, rate = 50, 8, 4, 0.3
-    references = [[rng.randrange(vocab) for _ in range(prompt_len + rng.randint(300, 400))]
-                  for _ in range(16)]
-    proposer = ReplayProposer(references, prompt_len, rate, vocab, seed=1)
-    clean, _ = ReplayProposer(references, prompt_len, 0.0, vocab).propose(
-        torch.tensor([r[:prompt_len + 5] for r in references]), torch.full((16,), 12), k)
-    assert clean.tolist() == [r[12:12 + k] for r in references]
-    # a greedy target whose argmax is the reference; rows in reverse order, so the keys matter
-    seqs = [r[:prompt_len] for r in reversed(references)]
-    width = max(map(len, references)) + k + 1
-    steps = emitted = drafted = 0
-    while all(len(s) + k + 1 < len(r) for s, r in zip(seqs, reversed(references))):
-        tokens = torch.tensor([s + [0] * (width - len(s)) for s in seqs])
-        lengths = torch.tensor(list(map(len, seqs)))
-        drafts, num_drafts = proposer.propose(tokens, lengths, k)
-        targets = torch.tensor([r[len(s):len(s) + k + 1]
-                                for s, r in zip(seqs, reversed(references))])
-        # greedy verification: the drafts up to the first the target disagrees with, then its token
-        for s, row, target in zip(seqs, drafts.tolist(), targets.tolist()):
-            accepted = next((j for j in range(k) if row[j] != target[j]), k)
-            s += target[:accepted + 1]
-            emitted += accepted + 1
-        steps += 1
-        drafted += num_drafts.sum().item()
-    assert all(s == r[:len(s)] for s, r in zip(seqs, reversed(references)))
-    assert drafted == 16 * k * steps
-    assert abs(emitted / (16 * steps) - (1 - (1 - rate) ** (k + 1)) / rate) < 0.1
-
+    setup = build_setup(parse_args(["--quick", "--device", "cpu", "--spec"]), str(tmp_path),
+                        "qwen3-0.6b")
+    prompts = [prompt[:8] for prompt in setup.workload.prompts]
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    spec = setup.llm(max_model_len=80, speculative_config={"num_speculative_tokens": SPEC_K})
+    runs = {acceptance: time_forced(spec, prompts, params, "cpu", acceptance,
+                                    disable_by_batch_size=len(prompts))
+            for acceptance in (1.0, 0.7)}
+    spec.close()
+    assert runs[1.0]["accepted_tokens"] == runs[1.0]["draft_tokens"] > 0
+    assert runs[0.7]["verifies"] > 100
+    assert abs(runs[0.7]["measured_acceptance"] - 0.7) < 0.1
 
 
 @pytest.mark.gpu
