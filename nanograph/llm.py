@@ -35,7 +35,8 @@ off there by default.
 Extensions. `install_extensions` is the one place that names them: LoRA (lora/) hands its slot
 table to the scheduler and its runner extension to the runner; the batch-1 chain (fast/) is a
 runner extension on CUDA; speculative decoding (spec/) replaces the scheduler with its own and
-hands the runner its verify graphs; tensor parallelism (engine/tp.py) replaces the runner. The rest of the
+hands the runner its verify graphs (and is handed the `LLM` class, to build a draft model's
+engine with, without importing this module); tensor parallelism (engine/tp.py) replaces the runner. The rest of the
 engine calls them through the scheduler's and the runner's hooks and imports none of them.
 """
 import contextlib
@@ -75,7 +76,7 @@ def install_extensions(config: Config) \
     lora = spec = None
     extensions = []
     if config.speculative_config is not None:
-        spec = Speculation(config)
+        spec = Speculation(config, build_engine=LLM)  # (LLM: a draft model's engine)
         extensions.append(spec.runner_extension)
     if config.enable_lora:
         lora = LoRA(config.hf_config, config.max_loras, config.max_lora_rank)
@@ -146,6 +147,8 @@ class LLM(contextlib.AbstractContextManager):  # `with LLM(...) as llm:` closes 
         """Free the device memory (and with tensor parallelism, the workers) now, not at garbage
         collection: the next LLM sizes its KV cache from the memory it finds free."""
         self.lora = None  # (its runner extension holds the model's LoRA layers)
+        if self.spec is not None:
+            self.spec.close()  # (a draft model's engine)
         self.runner.close()
 
     def __exit__(self, *exc):

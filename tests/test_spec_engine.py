@@ -179,7 +179,6 @@ def test_drafts_only_once_the_batch_is_small_enough():
     (NGRAM | {"prompt_lookup_max": "3"}, "prompt_lookup_max"),
     (NGRAM | {"method": "eagle"}, "method"),
     (NGRAM | {"lookup": 2}, "lookup"),
-    ({"model": "some/draft", "num_speculative_tokens": 3}, "not supported yet"),
     ("ngram", "must be a dict"),
 ])
 def test_bad_speculative_configs_are_refused_naming_the_key(config, key):

@@ -1,9 +1,9 @@
 """The attention backends' kernels as layers/attention.py calls them.
 
-Every backend attends a part of a step (its decode rows or its prefill chunks) as
-`attend(q, k_cache, v_cache, inputs, scale)`, with q rotated and the new K/V already stored:
+flash_attn attends a part of a step (its decode rows or its prefill chunks) as
+`attend(q, k_cache, v_cache, inputs, scale)`, after the layer rotated q and stored the new K/V:
 q [tokens, Hq, D], the caches [blocks, block_size, Hkv, D], `inputs` the part's
-`AttentionInputs` (utils/context.py). Here are the two that run on the GPU, as (prefill, decode):
+`AttentionInputs` (utils/context.py), as the torch oracle does. triton takes the whole step:
 - `triton`: `triton_attention` takes the whole step, both parts, rotary and the K/V store
   included: a decode-only step is paged_decode.py's (one kernel at small batch); a step with
   prefill chunks rotates and stores every token in one launch (kv_store.py), then the decode
@@ -70,6 +70,3 @@ def flash_attn_decode(q, k_cache, v_cache, inputs: AttentionInputs, scale: float
                                   causal=True)
     return out.squeeze(1)
 
-
-# name -> (prefill, decode), for the layer's parts (triton takes whole steps: above)
-BACKENDS = {"flash_attn": (flash_attn_prefill, flash_attn_decode)}

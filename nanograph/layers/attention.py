@@ -22,10 +22,10 @@ one query per sequence.
   faster at small-batch decode (its kernel rotates, stores and attends inside the PDL chain) and
   as fast end to end (docs/performance.md, "Attention backends").
 
-A step may have both parts, decode rows first, then prefill chunks (engine/scheduler.py). Here
-each part goes to its own kernels with its own `AttentionInputs`, and the outputs are
-concatenated; `triton` rotates and stores both parts' tokens with one launch and has each
-attention kernel write its rows of one output.
+A step may have both parts, decode rows first, then prefill chunks (engine/scheduler.py): the
+new tokens of both are rotated and stored at once, then each part goes to its own kernel with
+its own `AttentionInputs` (`triton`'s write their rows of one output; the others' outputs are
+concatenated).
 """
 import torch
 import torch.nn.functional as F
@@ -92,23 +92,20 @@ class Attention(nn.Module):
 
     def forward(self, positions, q, k, v):
         md = get_step_metadata()
-        if self.backend == "triton":  # both parts at once (kernels/backends.py)
+        if self.backend == "triton":  # the whole step at once (kernels/backends.py)
             from nanograph.kernels.backends import triton_attention
             return triton_attention(q, k, v, positions, md, self.rotary, self.k_cache,
                                     self.v_cache, self.scale)
-        n = md.num_decodes
-        parts = [(slice(0, n), md.decode, True), (slice(n, None), md.prefill, False)]
-        outs = [self.attend(positions[rows], q[rows], k[rows], v[rows], inputs, decode)
-                for rows, inputs, decode in parts if inputs is not None]
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
-
-    def attend(self, positions, q, k, v, inputs: AttentionInputs, decode: bool):
         if self.backend == "torch":
-            rotate_and_store, attend = torch_rotate_and_store, torch_attend
+            rotate_and_store = torch_rotate_and_store
+            attend_decode = attend_prefill = torch_attend
         else:
-            from nanograph.kernels.backends import BACKENDS
+            from nanograph.kernels.backends import flash_attn_decode, flash_attn_prefill
             from nanograph.kernels.kv_store import rotate_and_store
-            attend = BACKENDS[self.backend][decode]
+            attend_decode, attend_prefill = flash_attn_decode, flash_attn_prefill
         q = rotate_and_store(q, k, v, positions, *self.rotary, self.k_cache, self.v_cache,
-                             inputs.slot_mapping)
-        return attend(q, self.k_cache, self.v_cache, inputs, self.scale)
+                             md.slot_mapping)
+        n = md.num_decodes
+        parts = [(attend_decode, q[:n], md.decode), (attend_prefill, q[n:], md.prefill)]
+        return torch.cat([attend(part_q, self.k_cache, self.v_cache, inputs, self.scale)
+                          for attend, part_q, inputs in parts if inputs is not None])

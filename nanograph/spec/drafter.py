@@ -3,7 +3,9 @@
 The scheduler (scheduler.py) asks `propose` for each step's decode rows, appends the
 drafts to their tokens and turns the rows into verify chunks; after the step, `update` cuts each
 sequence at its first rejected draft and calls `verified`, where the drafter counts what was
-accepted (vLLM's `spec_decode_*` counters) and adjusts its switch-off rule.
+accepted (vLLM's `spec_decode_*` counters) and adjusts its switch-off rule. The drafts
+themselves come from `lookup`: prompt lookup here, a draft model in its subclass
+(draft_model.py); the rest is the same for both.
 
 Drafting costs: a verify row computes 1 + k tokens where a decode row computes one, and a step
 with drafts is collected before the next is scheduled (its sequences' lengths depend on what is
@@ -38,24 +40,28 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
     disable_by_batch_size: int = 2  # where drafts stop paying: docs/performance.md
-    method: str = "ngram"
+    method: str = "ngram"           # or "draft_model", implied by "model"
+    model: str | None = None        # the draft model's path (draft_model.py)
 
     @classmethod
     def parse(cls, values, block_size: int):
         """From the user's dict; ValueError naming the key for anything bad."""
         if not isinstance(values, dict):
             raise ValueError(f"speculative_config must be a dict, got {type(values).__name__}")
-        if "model" in values or values.get("method") == "draft_model":
-            raise ValueError("speculative_config: a draft model ('model') is not supported yet; "
-                             "use {'method': 'ngram', ...}")
         known = set(cls.__dataclass_fields__)
         if (unknown := sorted(set(values) - known)):
             raise ValueError(f"speculative_config: unknown key {unknown[0]!r} (known: {sorted(known)})")
-        if values.get("method", "ngram") != "ngram":
-            raise ValueError(f"speculative_config['method'] must be 'ngram', got {values['method']!r}")
+        method = values.get("method", "draft_model" if "model" in values else "ngram")
+        if method not in ("ngram", "draft_model"):
+            raise ValueError("speculative_config['method'] must be 'ngram' or 'draft_model', "
+                             f"got {method!r}")
+        if (method == "draft_model") != isinstance(values.get("model"), str):
+            raise ValueError("speculative_config['model'], a draft model's path, goes with method "
+                             f"'draft_model' and only with it: got {values.get('model')!r} "
+                             f"with method {method!r}")
         if "num_speculative_tokens" not in values:
             raise ValueError("speculative_config needs 'num_speculative_tokens'")
-        config = cls(**values)
+        config = cls(**values | {"method": method})
         for key, low, high in (("num_speculative_tokens", 1, block_size - 1),
                                ("prompt_lookup_max", 1, 64),
                                ("prompt_lookup_min", 1, config.prompt_lookup_max),
@@ -137,6 +143,9 @@ class NgramDrafter:
         backoff = self.backoff.setdefault(seq, Backoff())
         backoff.misses = 0 if accepted else backoff.misses + 1
         backoff.wait = min(2 ** backoff.misses // 2, MAX_BACKOFF)
+
+    def close(self):
+        """Nothing to free here (the draft model's drafter frees its engine)."""
 
     def stats(self) -> dict:
         return {"spec_decode_num_drafts": self.num_drafts,

@@ -18,8 +18,13 @@ is distributed as p without x. The sampler's noise is hashed from (the request's
 token's index) (layers/sampler.py), so that token is the very one plain decoding would have
 drawn there: the emitted tokens are plain sampling's, token for token, and drafts only change
 how many come per step, never which. Greedy rows are the special case whose sample is the
-argmax. (A draft model that samples its own distribution would need the full rule, with noise
-streams of its own; it is not built.)
+argmax.
+
+A draft model (draft_model.py) drafts greedily, its own argmax at each index: deterministic
+drafts too, q one-hot, so the same rule is exact for them and nothing here tells the two
+drafters apart. A draft model that sampled its drafts from its own q would need the full rule
+(the ratio p(x) / q(x), and the residual (p - q)+ drawn from noise of its own); greedy drafts
+keep one rule for both drafters, and an exact one.
 
 So the runner needs nothing new but graphs of those shapes and room for their rows: for each
 batch bucket b (powers of two up to the drafter's largest batch) a graph of b chunks of k + 1
