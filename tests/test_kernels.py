@@ -708,9 +708,13 @@ def check_step_attention(device, dtype, decode_lens, chunks, fp8=False):
                                             *caches[1], inputs.slot_mapping)
             expected.append(torch_attend(part_q, *caches[1], inputs, scale))
     tolerance = dict(atol=2e-2, rtol=2e-2) if dtype != torch.float32 else {}
-    torch.testing.assert_close(out.float(), torch.cat(expected).float(), **tolerance)
+    # two rotary implementations' bf16 results may round to neighbouring e4m3 values: a step is
+    # at most 1/8 of the value (3 mantissa bits), and that difference reaches the output
+    cache_tolerance = dict(atol=2 ** -9, rtol=0.13) if fp8 else tolerance
+    torch.testing.assert_close(out.float(), torch.cat(expected).float(),
+                               **dict(atol=5e-2, rtol=5e-2) if fp8 else tolerance)
     for mine, theirs in zip(caches[0], caches[1]):
-        torch.testing.assert_close(mine.float(), theirs.float(), **tolerance)
+        torch.testing.assert_close(mine.float(), theirs.float(), **cache_tolerance)
 
 
 @requires_interpreter
