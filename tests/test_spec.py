@@ -6,10 +6,25 @@ import random
 import pytest
 import torch
 
-from nanograph.spec.ngram import propose_ngram, propose_ngram_batched
+from nanograph.spec.ngram import propose_ngram_batched
 
 
 # ---- prompt lookup --------------------------------------------------------------------------
+
+def propose_ngram(tokens: list[int], num_speculative_tokens: int, prompt_lookup_min: int,
+                  prompt_lookup_max: int) -> list[int]:
+    """The oracle of spec/ngram.py's rule: the draft for one sequence, k tokens, or [] when its
+    last n tokens (any n in [min, max]) never occurred before."""
+    length = len(tokens)
+    for n in range(min(prompt_lookup_max, length - 1), prompt_lookup_min - 1, -1):
+        suffix = tokens[length - n:]
+        for end in range(length - 1, n - 1, -1):  # the most recent occurrence first
+            if tokens[end - n:end] == suffix:
+                period = length - end
+                return [tokens[end + j % period] for j in range(num_speculative_tokens)]
+    return []
+
+
 def test_ngram_takes_the_longest_suffix_then_its_most_recent_occurrence():
     # [1, 2] occurred once (followed by 9); [2] alone most recently at index 5 (followed by 8)
     tokens = [7, 1, 2, 9, 5, 2, 8, 1, 2]

@@ -11,9 +11,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from nanograph import LLM, SamplingParams
-from nanograph.engine.scheduler import Batch
 from nanograph.engine.sequence import Sequence, Status
 from nanograph.spec.drafter import NgramDrafter, SpeculativeConfig
+from nanograph.spec.scheduler import VerifyBatch
 
 DEMO = str(Path(__file__).resolve().parents[1] / "nanograph" / "pretrained" / "pycoder")
 # drafts on up to 32 decode rows (the default, 2, would leave most of these batches without any)
@@ -132,29 +132,28 @@ def test_rollback_keeps_only_accepted_tokens_in_block_tables_and_prefix_cache():
 
 def test_the_switch_off_rule():
     """No drafts above `disable_by_batch_size` decode rows or beside prefill chunks; a sequence
-    whose drafts miss backs off (1, 2, 4, ... steps); one whose last token is in flight gets
-    none but asks for the step to be collected first."""
+    whose drafts miss backs off (1, 2, 4, ... steps); one whose last token is in flight is
+    drafted from the tokens before it, the guess of that token dropped."""
     config = SpeculativeConfig.parse(NGRAM | {"disable_by_batch_size": 2}, block_size=16)
     drafter = NgramDrafter(config)
     params = SamplingParams()
     seqs = [Sequence(i, [3, 4, 5, 3, 4], params, 16) for i in range(3)]
     assert drafter.propose(seqs, []) is None
     assert drafter.propose(seqs[:2], [(seqs[2], 5)]) is None
-    assert drafter.propose(seqs[:2], []) == [[5, 3, 4, 5]] * 2
-    seqs[1].token_ids.append(-1)  # a placeholder: no drafts, but collect before the next step
-    assert drafter.propose(seqs[:2], []) == [[5, 3, 4, 5], []]
+    assert drafter.propose(seqs[:2], []) == {seqs[0]: [5, 3, 4, 5], seqs[1]: [5, 3, 4, 5]}
+    seqs[1].token_ids.append(-1)  # a placeholder: [5] guesses it, the drafts follow the guess
+    assert drafter.propose(seqs[:2], []) == {seqs[0]: [5, 3, 4, 5], seqs[1]: [3, 4, 5, 3]}
     seqs[1].token_ids.pop()
-    drafter.proposed = {seqs[0]: [5, 3, 4, 5]}
 
     def verified_with(emitted):  # seqs[0] computed [4, drafts] and the target emitted these
         seqs[0].token_ids = [3, 4, 5, 3] + emitted
-        drafter.verified(Batch(seqs=[seqs[0]], num_decodes=0, num_tokens=[5], starts=[3]))
+        drafter.verified(VerifyBatch(seqs=[seqs[0]], num_decodes=0, num_tokens=[5], starts=[3],
+                                     proposed={seqs[0]: [5, 3, 4, 5]}))
 
     verified_with([5, 3, 9])
     assert drafter.num_accepted_tokens == 2 and drafter.num_draft_tokens == 4
     waits = []
     for _ in range(3):
-        drafter.proposed = {seqs[0]: [5, 3, 4, 5]}
         verified_with([7])  # the first draft rejected: a miss
         seqs[0].token_ids = [3, 4, 5, 3, 4]
         waits.append(0)
@@ -228,3 +227,25 @@ def test_the_server_takes_the_config_as_json_and_exports_the_counters():
         in exposition
     for name in ("spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens"):
         assert f"nanograph:{name}{{" in exposition
+
+
+def test_drafting_never_collects_a_plain_step_early():
+    """With overlap scheduling, a sequence whose last token is still in flight is drafted from
+    the tokens before it: the only steps collected before the next is scheduled are the verify
+    steps themselves (a plain step never waits for its token to be known)."""
+    llm = LLM(DEMO, **KNOBS, overlap_scheduling=True,
+              speculative_config=NGRAM | {"disable_by_batch_size": 1})
+    commit, steps = llm.scheduler.commit, []
+
+    def recording(*args):
+        batch = commit(*args)
+        steps.append((batch.kind, batch.overlap))
+        return batch
+    llm.scheduler.commit = recording
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    spec = llm.generate(PYTHON[:1], params, use_tqdm=False)
+    plain = LLM(DEMO, **KNOBS).generate(PYTHON[:1], params, use_tqdm=False)
+    assert_same(plain, spec)
+    assert ("verify", False) in steps
+    assert all(overlap for kind, overlap in steps if kind != "verify")
+    assert llm.stats()["spec_decode_num_accepted_tokens"] > 0

@@ -44,6 +44,7 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_hashed_blocks = 0   # leading blocks already registered in the prefix cache
         self.forks: list[Sequence] = []   # the other completions of its request, not yet started
+        self.drafts_from: int | None = None  # where its drafts not yet checked begin (spec/)
         self.finish_reason: str | None = None   # "stop" | "length" | "abort"
         self.stop_reason: int | str | None = None  # the stop id or stop string that ended it
         self.logprobs: list[dict] | None = [] if self.params.logprobs is not None else None
@@ -56,8 +57,9 @@ class Sequence:
 
     @property
     def completion_token_ids(self):
-        """The completion's tokens the host has: without placeholders for tokens still in flight."""
-        tokens = self.token_ids[self.num_prompt_tokens:]
+        """The completion's tokens the host has: without drafts not yet checked, nor placeholders
+        for tokens still in flight."""
+        tokens = self.token_ids[self.num_prompt_tokens:self.drafts_from]
         while tokens and tokens[-1] < 0:
             tokens.pop()
         return tokens
@@ -67,6 +69,7 @@ class Sequence:
         if self.logprobs is not None:
             del self.logprobs[max(length - self.num_prompt_tokens, 0):]
         del self.token_ids[length:]
+        self.drafts_from = None
 
     @property
     def num_blocks(self):

@@ -12,8 +12,8 @@ one acceptance rule for both drafters.
 How it runs. The draft model is a second nanograph engine (an `LLM`, built by the factory llm.py
 hands in, so that spec/ does not import llm.py): its own weights, its own KV cache, its own step
 graphs on CUDA, prefix caching on. `lookup` adds one greedy request per sequence to draft, the
-sequence's tokens so far as its prompt and k tokens to generate, and runs the draft engine until
-they are done. A round's prompt is the last round's, the drafts the target accepted and the
+sequence's known tokens as its prompt and k tokens to generate (k + 1 when its last token is
+still in flight: drafter.py), and runs the draft engine until they are done. A round's prompt is the last round's, the drafts the target accepted and the
 target's own token after them, so its full blocks are prefix-cache hits (the last round
 registered them, its drafts' blocks included): the draft engine prefills only the last partial
 block and the new tokens, then runs k - 1 decode steps. Its blocks are small (DRAFT_BLOCK_SIZE)
@@ -60,17 +60,18 @@ class DraftModelDrafter(NgramDrafter):
                              "target's tokenizer")
         self.engine.tokenizer = None  # token ids in, token ids out: no text to make
 
-    def lookup(self, seqs) -> list[list[int]]:
-        """Each sequence's k greedy drafts from the draft model (fewer near `max_model_len`)."""
+    def lookup(self, histories: list[list[int]], num_tokens: int) -> list[list[int]]:
+        """num_tokens greedy drafts after each token list (fewer near `max_model_len`)."""
+        if not histories:
+            return []
         limit = self.engine.config.max_model_len  # (the draft model's may be the shorter)
-        drafting = [seq for seq in seqs if len(seq) < limit]
+        drafting = [history for history in histories if len(history) < limit]
         params = [SamplingParams(temperature=0,
-                                 max_tokens=min(self.config.num_speculative_tokens,
-                                                limit - len(seq)),
-                                 ignore_eos=True) for seq in drafting]
-        outputs = iter(self.engine.generate([seq.token_ids for seq in drafting], params,
-                                            use_tqdm=False))
-        return [next(outputs)["token_ids"] if len(seq) < limit else [] for seq in seqs]
+                                 max_tokens=min(num_tokens, limit - len(history)),
+                                 ignore_eos=True) for history in drafting]
+        outputs = iter(self.engine.generate(drafting, params, use_tqdm=False))
+        return [next(outputs)["token_ids"] if len(history) < limit else []
+                for history in histories]
 
     def close(self):
         self.engine.close()

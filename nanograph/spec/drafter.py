@@ -18,9 +18,15 @@ accepted), so it loses overlap scheduling. It pays where a step's time is readin
   drafting for 1 step, then 2, 4, ... up to MAX_BACKOFF steps while it keeps missing; one
   accepted draft resets it. A sequence whose text never repeats thus drafts about once in
   MAX_BACKOFF steps.
-A step in which no row is a candidate returns None: a plain step, overlapped as usual. A step
-with candidates whose last token is still in flight (a placeholder) drafts nothing for them but
-asks to be collected first, so that the next step can draft.
+A step in which no row gets drafts returns None: a plain step, overlapped as usual.
+
+The last token in flight. Under overlap scheduling a decoding sequence's last token is usually
+still being sampled by the step in flight (a placeholder, engine/step.py) when the next step is
+scheduled. Waiting for it would cost a step collected before the next one each time drafting
+starts. Instead such a sequence is drafted from the tokens before it, one draft more, and the
+first draft, the guess of the token in flight, is dropped: the rest continue that guess. The
+verify step then goes out while the step before it is still running (its chunk's first token a
+placeholder like any decode row's), and if the guess was wrong its drafts are simply rejected.
 """
 import weakref
 from dataclasses import dataclass
@@ -28,6 +34,7 @@ from functools import partial
 
 import torch
 
+from nanograph.engine.sequence import Status
 from nanograph.spec.ngram import propose_ngram_batched
 
 MAX_BACKOFF = 16
@@ -86,11 +93,10 @@ class NgramDrafter:
         self.proposer = partial(propose_ngram_batched, prompt_lookup_min=config.prompt_lookup_min,
                                 prompt_lookup_max=config.prompt_lookup_max)
         self.backoff: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # seq -> Backoff
-        self.proposed: dict = {}  # seq -> its drafts, for the step in flight
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
 
-    def propose(self, decodes: list, prefills: list) -> list[list[int]] | None:
-        """Each decode row's drafts ([] for none); None: a plain step (may overlap the next)."""
+    def propose(self, decodes: list, prefills: list) -> dict | None:
+        """Drafts for the decode rows that get some: {sequence: drafts}; None: a plain step."""
         if prefills or len(decodes) > self.config.disable_by_batch_size:
             return None
         candidates = []
@@ -100,36 +106,35 @@ class NgramDrafter:
                 backoff.wait -= 1
             else:
                 candidates.append(seq)
-        if not candidates:
-            return None
+        num_tokens = self.config.num_speculative_tokens
         known = [seq for seq in candidates if seq.token_ids[-1] >= 0]  # (not a placeholder)
-        self.proposed = {}
-        for seq, drafts in zip(known, self.lookup(known)):
-            if drafts:
-                self.proposed[seq] = drafts
-            else:
+        in_flight = [seq for seq in candidates if seq.token_ids[-1] < 0]
+        drafts = dict(zip(known, self.lookup([seq.token_ids for seq in known], num_tokens)))
+        # drafted from the tokens before it, one more, the first a guess of the token in flight
+        guesses = self.lookup([seq.token_ids[:-1] for seq in in_flight], num_tokens + 1)
+        drafts |= {seq: tokens[1:] for seq, tokens in zip(in_flight, guesses)}
+        for seq in candidates:
+            if not drafts[seq]:
                 self.record(seq, accepted=0)  # nothing to copy from: a miss too
-        if not self.proposed and len(known) == len(candidates):
-            return None
-        return [self.proposed.get(seq, []) for seq in decodes]
+        return {seq: tokens for seq, tokens in drafts.items() if tokens} or None
 
-    def lookup(self, seqs) -> list[list[int]]:
-        """Each sequence's drafts from its tokens: prompt lookup (ngram.py), or the bench's."""
-        if not seqs:
+    def lookup(self, histories: list[list[int]], num_tokens: int) -> list[list[int]]:
+        """num_tokens drafts (or none) after each token list: prompt lookup (ngram.py), or the
+        bench's."""
+        if not histories:
             return []
-        lengths = [len(seq) for seq in seqs]
+        lengths = list(map(len, histories))
         width = max(lengths)
-        tokens = torch.tensor([seq.token_ids + [-1] * (width - len(seq)) for seq in seqs])
-        drafts, counts = self.proposer(tokens, torch.tensor(lengths),
-                                       self.config.num_speculative_tokens)
+        tokens = torch.tensor([history + [-1] * (width - len(history)) for history in histories])
+        drafts, counts = self.proposer(tokens, torch.tensor(lengths), num_tokens)
         return [row[:count] for row, count in zip(drafts.tolist(), counts.tolist())]
 
     def verified(self, batch):
-        """After the scheduler's update of `batch`: count what its drafts got, and back off."""
-        proposed, self.proposed = self.proposed, {}
+        """After the scheduler's update of the verify step `batch`: count what its drafts got,
+        and back off."""
         for seq, start, num_tokens in zip(batch.seqs, batch.starts, batch.num_tokens):
-            drafts = proposed.get(seq, [])[:num_tokens - 1]  # (the scheduler may have cut them)
-            if not drafts:
+            drafts = batch.proposed.get(seq, [])[:num_tokens - 1]  # (the scheduler may cut them)
+            if not drafts or seq.status == Status.FINISHED:  # (its token in flight ended it)
                 continue
             kept = seq.token_ids[start + 1:start + 1 + len(drafts)]
             accepted = next((j for j, (a, b) in enumerate(zip(drafts, kept)) if a != b), len(kept))

@@ -13,30 +13,15 @@ follow; the copy then runs on into the tokens it has just drafted, as an overlap
 
 and every match gives k drafts (`a b a b a b` drafts `a b a b ...`). No match gives none.
 
-Two versions of the same rule:
-- `propose_ngram`: one sequence as a Python list; short and obvious, the oracle.
-- `propose_ngram_batched`: a batch of sequences in a [rows, width] tensor on the device, with no
-  host round trip, so it can run right after a step's tokens are sampled, on tokens the host has
-  not seen (overlap scheduling). It scores every candidate end position at once: the occurrence
-  ending at `end` matches the last n tokens when tokens[end - 1 - i] == tokens[L - 1 - i] for
-  i < n, so one pass over i = 0, 1, ... max_n - 1, AND-ing the comparisons, has the match of
-  every n in turn; a longer n that matches anywhere overrides a shorter one.
+`propose_ngram_batched` takes a batch of sequences in a [rows, width] tensor on the device,
+with no host round trip, so it can run right after a step's tokens are sampled, on tokens the
+host has not seen (overlap scheduling). It scores every candidate end position at once: the
+occurrence ending at `end` matches the last n tokens when tokens[end - 1 - i] == tokens[L - 1 -
+i] for i < n, so one pass over i = 0, 1, ... max_n - 1, AND-ing the comparisons, has the match
+of every n in turn; a longer n that matches anywhere overrides a shorter one. Its oracle, the
+same rule on one Python list, short and obvious, is in tests/test_spec.py.
 """
 import torch
-
-
-def propose_ngram(tokens: list[int], num_speculative_tokens: int, prompt_lookup_min: int,
-                  prompt_lookup_max: int) -> list[int]:
-    """The draft for one sequence: k tokens, or [] when its last n tokens (any n in
-    [min, max]) never occurred before."""
-    length = len(tokens)
-    for n in range(min(prompt_lookup_max, length - 1), prompt_lookup_min - 1, -1):
-        suffix = tokens[length - n:]
-        for end in range(length - 1, n - 1, -1):  # the most recent occurrence first
-            if tokens[end - n:end] == suffix:
-                period = length - end
-                return [tokens[end + j % period] for j in range(num_speculative_tokens)]
-    return []
 
 
 def propose_ngram_batched(tokens: torch.Tensor, lengths: torch.Tensor,

@@ -9,11 +9,14 @@ changes a step at two points:
   check rows come before the base path's rows, one per sequence at its end). Such a step is
   collected before the next is scheduled (`overlap=False`): its sequences' lengths are unknown
   until then.
+  Until it is, `Sequence.drafts_from` hides the drafts from the completion's text: the step
+  before it may still be in flight, and collected first (drafter.py, "The last token in
+  flight").
 - `update`: the first draft its row contradicts is replaced by the row's token and everything
   after it cut (tokens, computed count, blocks), before the base path's update, so the prefix
   cache and the block table only ever hold tokens the target chose. Then the drafter counts.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from nanograph.engine.scheduler import Batch, Scheduler
 from nanograph.engine.sequence import Sequence, Status
@@ -23,6 +26,7 @@ from nanograph.engine.sequence import Sequence, Status
 class VerifyBatch(Batch):
     """A step that checks drafts: every sequence a chunk of its last token and its drafts."""
     num_draft_tokens: int = 0
+    proposed: dict = field(default_factory=dict)  # sequence -> the drafts it was offered
     kind = "verify"  # (for the scheduler's step counters)
 
 
@@ -33,17 +37,15 @@ class SpeculativeScheduler(Scheduler):
 
     def commit(self, decodes: list[Sequence], prefills: list[tuple[Sequence, int]]) -> Batch:
         proposed = self.drafter.propose(decodes, prefills)
-        if proposed is None:  # a plain step
+        num_drafts = [self.add_drafts(seq, proposed.get(seq, [])) for seq in decodes] \
+            if proposed else []
+        if not any(num_drafts):  # a plain step (may overlap the next)
             return super().commit(decodes, prefills)
-        num_drafts = [self.add_drafts(seq, drafts) for seq, drafts in zip(decodes, proposed)]
-        if not any(num_drafts):  # none to check, but collected first so that the next step drafts
-            batch = super().commit(decodes, prefills)
-            batch.overlap = False
-            return batch
         batch = VerifyBatch(seqs=decodes,  # (the drafter drafts only where nothing prefills)
                             num_decodes=0,
                             num_tokens=[1 + count for count in num_drafts],
                             num_draft_tokens=sum(num_drafts),
+                            proposed=proposed,
                             overlap=False)
         # each draft's index is sampled by the token before it: (sequence, its index, the index)
         checks = [(seq, i, index) for i, (seq, count) in enumerate(zip(decodes, num_drafts))
@@ -64,15 +66,22 @@ class SpeculativeScheduler(Scheduler):
         seq.token_ids += drafts[:max(limit - len(seq) - 2, 0)]
         if not self.block_manager.append_slot(seq):
             seq.truncate(seq.num_computed_tokens + 1)
-        return len(seq) - seq.num_computed_tokens - 1
+        count = len(seq) - seq.num_computed_tokens - 1
+        if count:  # hidden from its text until checked (a step in flight may be collected first)
+            seq.drafts_from = len(seq) - count
+        return count
 
     def update(self, batch: Batch, sampled: list[int], *logprobs):
+        if isinstance(batch, VerifyBatch):
+            for seq in batch.seqs:
+                seq.drafts_from = None  # checked now
         for (seq, _, index), token in zip(batch.rows, sampled):
             live = seq.status != Status.FINISHED and index < len(seq)
             if live and 0 <= seq.token_ids[index] != token:  # a draft (>= 0), contradicted
                 self.reject_drafts(seq, index, token)
         updated = super().update(batch, sampled, *logprobs)
-        self.drafter.verified(batch)
+        if isinstance(batch, VerifyBatch):
+            self.drafter.verified(batch)
         return updated
 
     def reject_drafts(self, seq: Sequence, index: int, token: int):
