@@ -35,6 +35,12 @@ reference run. benchmarks/<section>.py has its code and says why its figures com
 - `--spec`: speculative decoding: the mechanics at a forced acceptance of 0, 0.5, 0.7, 0.9 by
   batch size (tokens/s against plain decoding, against issue 55's targets), and prompt lookup on
   the demo model's Python.
+- `--kv-bandwidth`: the split-KV decode kernel alone on the shape's attention: achieved K/V
+  bytes a second at batch 64/256/512 and context 512/1k/4k, a cache of the model's dtype and an
+  fp8 one, against the measured copy bandwidth (issue 54's target beside its row).
+- `--mixed-step-cost`: a decode step of 64 sequences at context ~1,000 through `LLM.step()`,
+  alone and beside 16-512 prefill tokens: each row's time, its ratio to the decode-only step,
+  the steps' kinds and graphs (issue 54's target beside the 16-token row).
 - `--logprobs N`: every sequence of the workload asks for its top-N logprobs (what they cost).
 - `--all`: `--decode-sweep --compare --ladders --overlap --lora 4 --serving --serving-http`.
 
@@ -55,8 +61,10 @@ import tempfile
 from benchmarks.compare import section_compare
 from benchmarks.decode_sweep import section_decode_sweep
 from benchmarks.harness import Setup, build_setup, meta
+from benchmarks.kv_bandwidth import section_kv_bandwidth
 from benchmarks.ladders import section_ladders
 from benchmarks.lora import section_lora
+from benchmarks.mixed_step_cost import section_mixed_step_cost
 from benchmarks.overlap import section_overlap
 from benchmarks.peers import PEER_DIR, peer_job
 from benchmarks.plot import write_plot
@@ -126,6 +134,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--spec", action="store_true",
                    help="speculative decoding: the mechanics at a forced acceptance by batch, "
                         "and prompt lookup on the demo model")
+    p.add_argument("--kv-bandwidth", action="store_true",
+                   help="the split-KV decode kernel's K/V bytes/s against the copy bandwidth")
+    p.add_argument("--mixed-step-cost", action="store_true",
+                   help="a decode step alone and beside 16-512 prefill tokens (LLM.step())")
     p.add_argument("--all", action="store_true",
                    help="--decode-sweep --compare --ladders --overlap --lora 4 --serving "
                         "--serving-http")
@@ -163,7 +175,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.serving_http = True
         args.lora = args.lora or 4
     other_sections = (args.ladders or args.decode_sweep or args.lora or args.serving
-                      or args.serving_http or args.spec)
+                      or args.serving_http or args.spec or args.kv_bandwidth
+                      or args.mixed_step_cost)
     args.run_default = args.run or args.compare or args.overlap or not other_sections
     args.sweep_max_bs = args.sweep_max_bs or (8 if args.quick else 256)
     args.sweep_context_len = args.sweep_context_len or (32 if args.quick else 512)
@@ -197,6 +210,10 @@ def run_sections(setup: Setup) -> dict:
         report["serving"] = section_serving(setup)
     if args.spec:
         report["spec"] = section_spec(setup)
+    if args.kv_bandwidth:
+        report["kv_bandwidth"] = section_kv_bandwidth(setup)
+    if args.mixed_step_cost:
+        report["mixed_step_cost"] = section_mixed_step_cost(setup)
     if args.serving_http and args.data_parallel_size > 1:
         report["serving_http"] = section_data_parallel(setup)
     elif args.serving_http:

@@ -24,6 +24,9 @@ returns its figures:
                      server on 127.0.0.1 (a subprocess): the HTTP layer's cost
     spec.py          speculative decoding: the mechanics at a set acceptance (spec_acceptance.py:
                      the bench-only scheduler that forces it), prompt lookup on the demo model
+    kv_bandwidth.py  the split-KV decode kernel's K/V bytes a second against the copy bandwidth
+                     (measured by tools/kv_bandwidth.py in a process of its own)
+    mixed_step_cost.py  a decode step alone and beside prefill tokens, through LLM.step()
     plot.py          --plot's figure from the JSON report
 
 A new section is a module with its `section_<name>(setup) -> dict`, a flag in bench.py's

@@ -18,8 +18,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # bench.py and benchmarks/ live at the repository root, not in the package
 
 import bench  # noqa: E402
-from benchmarks import checkpoint, compare, decode_sweep, harness, ladders, lora, peers  # noqa: E402
-from benchmarks import serving, serving_dp, serving_http, shapes, timing, workloads  # noqa: E402
+from benchmarks import checkpoint, compare, decode_sweep, harness, kv_bandwidth, ladders, lora  # noqa: E402
+from benchmarks import mixed_step_cost, peers, serving, serving_dp, serving_http, shapes  # noqa: E402
+from benchmarks import timing, workloads  # noqa: E402
 from benchmarks.report import RunResult  # noqa: E402
 
 
@@ -445,6 +446,104 @@ def test_quick_serving_http_section(tmp_path):
             assert row[f"{key}_http_vs_in_process"] == pytest.approx(http[key] / local[key])
         assert row["met"] is None  # judged on full GPU runs only
     assert rows[0]["target"].startswith("ITL p99 over HTTP <= 1.2x") and rows[1]["target"] is None
+
+
+def test_importing_bench_leaves_triton_alone():
+    """Triton's interpreter is a choice a process makes once (TRITON_INTERPRET before triton's
+    first import): importing bench.py sets nothing and imports no kernel for --kv-bandwidth."""
+    script = ("import os, sys, bench; print(os.environ.get('TRITON_INTERPRET'), "
+              "[m for m in sys.modules if m.startswith('nanograph.kernels')])")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": ROOT}
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split("\n")[-2] == "None []"
+
+
+@pytest.mark.triton
+def test_quick_kv_bandwidth_section(tmp_path, monkeypatch):
+    """--kv-bandwidth on a CPU as a user runs it (no TRITON_INTERPRET in bench's process): the
+    tiny shape's attention in Triton's interpreter, in the tool's process; bench's own process
+    keeps its environment."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # (conftest sets it for the kernels)
+    out = tmp_path / "b.json"
+    bench.main(["--quick", "--device", "cpu", "--kv-bandwidth", "--json", str(out)])
+    assert "TRITON_INTERPRET" not in os.environ
+    shape = json.loads(out.read_text())["shapes"]["qwen3-0.6b"]
+    assert set(shape) == {"kv_bandwidth"}  # alone, only its section runs
+    section = shape["kv_bandwidth"]
+    tiny = shapes.SHAPES["tiny"]
+    assert (section["heads"], section["kv_heads"], section["head_dim"]) == (4, 2, 16)
+    assert (section["block_size"], section["table_width"]) == (256, 1)  # max_model_len 256
+    rows, copy_bandwidth = section["rows"], section["copy_bandwidth_Bps"]
+    assert [(r["cache"], r["batch"], r["context"]) for r in rows] == \
+        [(cache, 5, context) for cache in ("fp32", "fp8") for context in (40, 300)]
+    assert copy_bandwidth > 0
+    for r in rows:
+        assert r["ms"] > 0 and r["bytes_per_s"] > 0
+        element = 4 if r["cache"] == "fp32" else 1
+        kv_bytes = r["batch"] * r["context"] * tiny["num_key_value_heads"] * tiny["head_dim"] * 2 * element
+        assert r["bytes_per_s"] * r["ms"] / 1e3 == pytest.approx(kv_bytes)
+        assert r["of_copy"] == pytest.approx(r["bytes_per_s"] / copy_bandwidth)
+        assert not r["fused"] and r["splits"] >= 1 and r["target"] is None  # no target row here
+    fp32, fp8 = rows[0], rows[2]
+    assert fp8["keys_per_tile"] == 2 * fp32["keys_per_tile"]  # the same bytes a tile
+
+
+def test_the_kv_bandwidth_target_is_80_percent_of_copy_at_batch_256_context_1k():
+    row = {"cache": "bf16", "batch": 256, "context": 1024, "of_copy": 0.80}
+    assert kv_bandwidth.TARGET.cell(row, judge=True) == ">= 80% of copy: met"
+    assert kv_bandwidth.TARGET.cell(row | {"of_copy": 0.79}, judge=True) == ">= 80% of copy: MISSED"
+    assert kv_bandwidth.TARGET.cell(row, judge=False) == ">= 80% of copy: -"
+    for other in ({"cache": "fp8"}, {"batch": 512}, {"context": 4096}):
+        assert kv_bandwidth.TARGET.cell(row | other, judge=True) == ""
+
+
+def test_quick_mixed_step_cost_section(tmp_path):
+    """--mixed-step-cost on a CPU: the decode-only row and one row a prefill size, each row's
+    steps all of the kind it claims, with every sequence decoding in every step."""
+    out = tmp_path / "b.json"
+    bench.main(["--quick", "--device", "cpu", "--mixed-step-cost", "--json", str(out)])
+    shape = json.loads(out.read_text())["shapes"]["qwen3-0.6b"]
+    assert set(shape) == {"mixed_step_cost"}
+    section, scale = shape["mixed_step_cost"], mixed_step_cost.QUICK
+    assert (section["decodes"], section["steps"]) == (scale.decodes, scale.steps)
+    assert section["max_model_len"] == scale.engine_knobs()["max_model_len"]
+    rows = section["rows"]
+    assert [r["prefill_tokens"] for r in rows] == [0, *scale.prefill_tokens]
+    assert rows[0]["vs_decode_only"] == 1.0
+    for r in rows:
+        kind = "mixed" if r["prefill_tokens"] else "decode"
+        assert r["steps"] == {"decode": 0, "mixed": 0, "prefill": 0} | {kind: scale.steps}
+        assert r["decode_rows"] == [scale.decodes] and r["preemptions"] == 0
+        assert r["prefill_tokens_a_step"] == [r["prefill_tokens"]]
+        assert r["graphs"] == {"eager": scale.steps}  # no CUDA graphs on a CPU
+        assert r["as_claimed"] and r["target"] is None  # the target is for 64 decode rows
+        assert r["ms_p50"] > 0 and r["ms_mean"] > 0
+        assert r["vs_decode_only"] == pytest.approx(r["ms_p50"] / rows[0]["ms_p50"])
+
+
+def test_a_row_whose_sequences_finish_is_not_as_claimed(tiny_model, monkeypatch):
+    """The check catches the tool's old fault: decoding sequences that reach their max_tokens
+    during the rows leave fewer decode rows than the row claims."""
+    from nanograph import LLM
+    scale = mixed_step_cost.Scale(3, 16, (4, 8), 3)
+    # one prefill step, 2 + 3 decode steps, then the 10th token in the second row's timed steps
+    monkeypatch.setattr(mixed_step_cost.Scale, "new_tokens", property(lambda self: 10))
+    with LLM(tiny_model("qwen3"), **scale.engine_knobs()) as llm:
+        rows = mixed_step_cost.measure_mixed_steps(llm, scale, 100, judge=False)
+    assert rows[0]["as_claimed"] and rows[0]["decode_rows"] == [3]
+    assert not rows[1]["as_claimed"] and rows[1]["decode_rows"] == [0, 3]
+    assert rows[1]["steps"]["prefill"] > 0
+
+
+def test_the_mixed_step_target_is_64_decodes_and_16_tokens_within_1_1x():
+    row = {"prefill_tokens": 16, "vs_decode_only": 1.10}
+    assert mixed_step_cost.target_cell(row, 64, judge=True) == "<= 1.10x: met"
+    assert mixed_step_cost.target_cell(row | {"vs_decode_only": 1.11}, 64, judge=True) == \
+        "<= 1.10x: MISSED"
+    assert mixed_step_cost.target_cell(row, 32, judge=True) == ""
+    assert mixed_step_cost.target_cell(row | {"prefill_tokens": 64}, 64, judge=True) == ""
 
 
 def test_quick_serving_section(tmp_path):

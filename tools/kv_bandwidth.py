@@ -7,132 +7,57 @@
     python -m tools.kv_bandwidth --device cpu --batches 5 --contexts 40 --heads 4 --kv-heads 2 \
         --head-dim 32 --block-size 16                   # a smoke run in Triton's interpreter
 
-Each row times `paged_decode_attention` as a decode step runs it (at these batches: the
-rotate-and-store kernel, then the attention kernel) on the Qwen3-0.6B attention shape (16
-query heads, 8 KV heads, head_dim 128, qk-norm), every sequence at the same context, block
-tables of shuffled 256-token blocks. One CUDA graph calls it once per "layer", each with its own
-cache, as many layers as make at least --min-gib of K/V, so no layer's K/V is still in L2 when
-it is read again; the best of a few replays counts. Achieved bandwidth = the K/V bytes the step
-must read (layers x batch x context x Hkv x head_dim x 2 tensors x bytes an element) / time;
-the copy bandwidth is a device-to-device copy's bytes read and written per second
-(benchmarks/timing.py, as bench.py's floors use), so 100% would be streaming K/V as fast as
-a copy streams memory.
+Each row is bench.py --kv-bandwidth's (benchmarks/kv_bandwidth.py, which says what is timed and
+how bandwidth counts), here on the Qwen3-0.6B attention shape by default (16 query heads, 8 KV
+heads, head_dim 128, qk-norm, 256-token blocks, tables as wide as max_model_len 4096 makes
+them), with the knobs to change it, another tree's kernels beside this one's, and a sweep of the
+split path's launch constants. `--json` writes the rows (bench.py reads them from there).
 """
 import argparse
 import itertools
-import math
+import json
 import os
-import time
 
 import torch
 
-if not torch.cuda.is_available():  # before triton is imported: the kernels run interpreted
+if not torch.cuda.is_available():  # before triton is first imported: the kernels run interpreted
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from benchmarks.timing import measure_copy_bandwidth, synchronize  # noqa: E402
-from nanograph.kernels import kv_store, paged_decode  # noqa: E402
-from nanograph.layers.rotary import RotaryEmbedding  # noqa: E402
-
-CACHE_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
-
-
-def kv_bytes(args, batch: int, context: int, cache_dtype: torch.dtype) -> int:
-    """The K/V bytes one layer's decode step must read."""
-    return batch * context * args.kv_heads * args.head_dim * 2 * cache_dtype.itemsize
+from benchmarks.kv_bandwidth import (CACHE_DTYPES, KernelShape, measure,  # noqa: E402
+                                     measured_rows)
+from benchmarks.timing import measure_copy_bandwidth  # noqa: E402
+from nanograph.kernels import paged_decode  # noqa: E402
 
 
-def table_width(args, context: int) -> int:
-    """Block-table columns: the engine's are max_model_len / block_size (4096 tokens here) wide;
-    the padding columns are never read."""
-    return max(math.ceil(context / args.block_size), 4096 // args.block_size)
-
-
-def decode_layers(args, batch: int, context: int, cache_dtype: torch.dtype) -> list[dict]:
-    """paged_decode_attention's arguments for each layer (its own caches, the rest shared)."""
-    device, dtype = args.device, args.dtype
-    blocks_per_seq = math.ceil(context / args.block_size)
-    layers = max(1, math.ceil(args.min_gib * 2**30 / kv_bytes(args, batch, context, cache_dtype)))
-    gen = torch.Generator().manual_seed(0)
-    tables = torch.randperm(batch * blocks_per_seq, generator=gen).view(batch, blocks_per_seq)
-    padding = tables.new_zeros(batch, table_width(args, context) - blocks_per_seq)
-    tables = torch.cat([tables, padding], 1)
-    lens = torch.full((batch,), context, dtype=torch.int32)
-    last = context - 1
-    slots = tables[:, last // args.block_size] * args.block_size + last % args.block_size
-    qkv = torch.randn(batch, args.heads + 2 * args.kv_heads, args.head_dim, generator=gen)
-    q, k, v = qkv.to(device, dtype).split([args.heads, args.kv_heads, args.kv_heads], dim=1)
-    rope = RotaryEmbedding(args.head_dim, context + 1, {"rope_theta": 1e6}).to(device, dtype)
-    norm = torch.ones(args.head_dim, device=device, dtype=dtype)
-    shared = dict(q=q, k=k, v=v, positions=(lens - 1).long().to(device),
-                  slot_mapping=slots.to(device), cos=rope.cos, sin=rope.sin, q_weight=norm,
-                  k_weight=norm, eps=1e-6, block_tables=tables.to(device, torch.int32),
-                  context_lens=lens.to(device), scale=args.head_dim**-0.5)
-    shape = (batch * blocks_per_seq, args.block_size, args.kv_heads, args.head_dim)
-    return [shared | {name: torch.randn(shape, device=device, dtype=dtype).to(cache_dtype)
-                      for name in ("k_cache", "v_cache")} for _ in range(layers)]
-
-
-def step_seconds(attention, layers: list[dict], device: str, replays: int) -> float:
-    """The best time of one call a layer: a CUDA graph's replay on a GPU, plain calls on a CPU."""
-    def step():
-        for inputs in layers:
-            attention(**inputs)
-
-    step()  # compiles, and makes the scratch the graph keeps
-    if device == "cpu":
-        start = time.perf_counter()
-        step()
-        return time.perf_counter() - start
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    times = []
-    for _ in range(replays):
-        synchronize(device)
-        start = time.perf_counter()
-        graph.replay()
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
-def measure(args, attention, batch: int, context: int,
-            cache_dtype: torch.dtype) -> tuple[float, float]:
-    """(ms a layer, achieved K/V bytes a second)."""
-    layers = decode_layers(args, batch, context, cache_dtype)
-    seconds = step_seconds(attention, layers, args.device, args.replays) / len(layers)
-    del layers
-    if args.device != "cpu":
-        torch.cuda.empty_cache()
-    return seconds * 1e3, kv_bytes(args, batch, context, cache_dtype) / seconds
-
-
-def plan_text(args, batch: int, context: int, cache_dtype: torch.dtype) -> str:
-    plan = paged_decode.decode_plan(batch, args.kv_heads, args.head_dim, args.block_size,
-                                    table_width(args, context), cache_dtype.itemsize,
-                                    torch.device(args.device),
-                                    fused=batch <= paged_decode.FUSED_MAX_BATCH)
-    return f"{plan.num_splits:3d} x {plan.keys_per_tile:3d}"
+def kernel_shape(args) -> KernelShape:
+    return KernelShape(heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
+                       block_size=args.block_size, max_model_len=args.max_model_len,
+                       qk_norm=args.qk_norm, dtype=args.dtype, device=args.device)
 
 
 def figures(ms: float, bandwidth: float, copy_bandwidth: float) -> str:
     return f"{ms:7.3f} {bandwidth / 1e9:7.0f} {bandwidth / copy_bandwidth:7.1%}"
 
 
-def table(args, copy_bandwidth: float, tree_attention) -> None:
+def table(args, copy_bandwidth: float, tree_attention) -> list[dict]:
     header = "cache  batch  context | splits x keys |      ms    GB/s  of copy"
     print(header + ("" if tree_attention is None else " | tree ms    GB/s  of copy"))
-    for name, batch, context in itertools.product(args.dtypes, args.batches, args.contexts):
-        cache_dtype = CACHE_DTYPES[name]
-        ms, bandwidth = measure(args, paged_decode.paged_decode_attention, batch, context,
-                                cache_dtype)
-        plan = plan_text(args, batch, context, cache_dtype)
-        row = f"{name:5s} {batch:6d} {context:8d} | {plan:>13s} | " + figures(ms, bandwidth,
-                                                                               copy_bandwidth)
-        if tree_attention is not None and name == "bf16":  # an older tree may not know fp8
-            ms, bandwidth = measure(args, tree_attention, batch, context, cache_dtype)
-            row += " | " + figures(ms, bandwidth, copy_bandwidth)
-        print(row, flush=True)
+    shape, rows = kernel_shape(args), []
+    cache_dtypes = {name: CACHE_DTYPES[name] for name in args.dtypes}
+    for row in measured_rows(shape, paged_decode.paged_decode_attention, cache_dtypes,
+                             args.batches, args.contexts, args.min_gib, args.replays,
+                             copy_bandwidth):
+        plan = f"{row['splits']:3d} x {row['keys_per_tile']:3d}"
+        line = (f"{row['cache']:5s} {row['batch']:6d} {row['context']:8d} | {plan:>13s} | "
+                + figures(row["ms"], row["bytes_per_s"], copy_bandwidth))
+        if tree_attention is not None and row["cache"] == "bf16":  # an older tree: no fp8
+            row["tree_ms"], row["tree_bytes_per_s"] = measure(
+                shape, tree_attention, row["batch"], row["context"], CACHE_DTYPES["bf16"],
+                args.min_gib, args.replays)
+            line += " | " + figures(row["tree_ms"], row["tree_bytes_per_s"], copy_bandwidth)
+        print(line, flush=True)
+        rows.append(row)
+    return rows
 
 
 def sweep(args, copy_bandwidth: float) -> None:
@@ -149,8 +74,9 @@ def sweep(args, copy_bandwidth: float) -> None:
         row = f"{keys:4d} {warps:5d} {stages:6d} {waves:5d}"
         for name in args.dtypes:
             try:
-                ms, bandwidth = measure(args, paged_decode.paged_decode_attention, batch, context,
-                                        CACHE_DTYPES[name])
+                ms, bandwidth = measure(kernel_shape(args), paged_decode.paged_decode_attention,
+                                        batch, context, CACHE_DTYPES[name], args.min_gib,
+                                        args.replays)
                 row += " | " + figures(ms, bandwidth, copy_bandwidth)
             except Exception as e:  # e.g. out of shared memory
                 row += f" | failed: {type(e).__name__:>16s}"
@@ -164,11 +90,18 @@ def main():
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--batches", type=ints, help="default 64,256,512; 256 with --sweep")
     p.add_argument("--contexts", type=ints, help="default 512,1024,4096; 1024 with --sweep")
-    p.add_argument("--dtypes", type=lambda text: text.split(","), default=list(CACHE_DTYPES))
+    p.add_argument("--dtypes", type=lambda text: text.split(","), default=["bf16", "fp8"],
+                   help=f"the caches' ({', '.join(CACHE_DTYPES)}; default bf16,fp8)")
+    p.add_argument("--model-dtype", help="the queries' and new keys' (default bfloat16 on a GPU, "
+                                         "float32 on a CPU)")
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--no-qk-norm", dest="qk_norm", action="store_false",
+                   help="a model without Qwen3's qk-norm (Llama)")
     p.add_argument("--block-size", type=int, default=256)
+    p.add_argument("--max-model-len", type=int, default=4096,
+                   help="block tables are max_model_len / block size columns wide")
     p.add_argument("--min-gib", type=float, default=1.0, help="K/V a graph replay reads, at least")
     p.add_argument("--replays", type=int, default=5)
     p.add_argument("--tree", help="another source tree whose kernels run the bf16 rows too "
@@ -179,8 +112,10 @@ def main():
     p.add_argument("--warps", type=ints, default=[4, 8])
     p.add_argument("--stages", type=ints, default=[2, 3, 4])
     p.add_argument("--waves", type=ints, default=[2, 8])
+    p.add_argument("--json", help="write the table's rows and the copy bandwidth to this file")
     args = p.parse_args()
-    args.dtype = torch.bfloat16 if args.device != "cpu" else torch.float32
+    args.dtype = getattr(torch, args.model_dtype or ("bfloat16" if args.device != "cpu"
+                                                     else "float32"))
     if args.device == "cpu":
         args.min_gib, args.replays = 0, 1
     args.batches = args.batches or ([256] if args.sweep else [64, 256, 512])
@@ -194,7 +129,11 @@ def main():
     if args.tree:
         from tools.ab_attention import load_tree_kernels
         tree_attention = load_tree_kernels(args.tree)["paged_decode"].paged_decode_attention
-    table(args, copy_bandwidth, tree_attention)
+    rows = table(args, copy_bandwidth, tree_attention)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": args.device, "copy_bandwidth_Bps": copy_bandwidth,
+                       "rows": rows}, f, indent=2)
 
 
 if __name__ == "__main__":
