@@ -59,3 +59,39 @@ def test_fp8_graphs_give_eager_tokens(tiny_model):
             assert llm.runner.kv_cache.dtype == torch.float8_e4m3fn
             tokens[name] = [out["token_ids"] for out in llm.generate(prompts, params, use_tqdm=False)]
     assert tokens["graphs"] == tokens["eager"] == tokens["torch"]
+
+
+def fp8_tokens(path, prompts, generations=1, lora_request=None, **knobs):
+    """Greedy token ids of the last of `generations` generate calls with an fp8 cache (float32
+    model, torch backend), and the stats."""
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    with LLM(path, kv_cache_dtype="fp8", kvcache_block_size=16, max_model_len=256,
+             dtype="float32", **knobs) as llm:
+        for _ in range(generations):
+            outs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora_request)
+        return [out["token_ids"] for out in outs], llm.stats()
+
+
+def test_fp8_with_prefix_caching_preemption_drafts_and_lora(tiny_model, adapters):
+    """Each feature on an fp8 cache gives the tokens of a plain fp8 run: cached prefixes and
+    recomputed (preempted) sequences read the same e4m3 K/V, drafts are checked against it, and
+    adapters batched with the base model give what each gives alone."""
+    path = tiny_model("qwen3")
+    shared = [(5 * j) % 200 + 2 for j in range(40)]
+    prompts = [shared + [(11 * i + j) % 300 + 2 for j in range(3 + 6 * i)] for i in range(5)]
+    plain, _ = fp8_tokens(path, prompts, enable_prefix_caching=False)
+    # 5 x ~90 tokens need ~30 blocks of 16: 14 force preemption; the 2nd call hits the cache
+    cached, stats = fp8_tokens(path, prompts, generations=2, num_kvcache_blocks=14)
+    assert cached == plain
+    assert stats["prefix_cache_hit_tokens"] > 0 and stats["preemptions"] > 0
+    drafts = {"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 8}
+    spec, stats = fp8_tokens(path, prompts, speculative_config=drafts)
+    assert spec == plain and stats["spec_decode_num_drafts"] > 0
+    requests = adapters("qwen3")
+    loras = [requests["qv8"], None, requests["all16"], None, requests["qv8"]]
+    batched, _ = fp8_tokens(path, prompts, enable_lora=True, max_lora_rank=16,
+                            lora_request=loras)
+    alone = [fp8_tokens(path, [prompt], enable_lora=True, max_lora_rank=16,
+                        lora_request=[lora])[0][0] for prompt, lora in zip(prompts, loras)]
+    assert batched == alone
+    assert batched[1] == plain[1] and batched[0] != plain[0]  # (an adapter changes the output)

@@ -258,3 +258,10 @@ def test_tp2_with_a_draft_model_matches_tp1(tiny_model):
                                            speculative_config=draft)
     assert two == one
     assert stats["spec_decode_num_accepted_tokens"] > 0
+
+
+def test_tp2_with_an_fp8_cache_matches_tp1(tiny_model):
+    """Each rank keeps its KV heads' share of the cache in e4m3: tp=1's tokens."""
+    (one, _), (two, stats) = greedy_tokens(tiny_model("qwen3"), random_prompts([5, 23, 40]),
+                                           kv_cache_dtype="fp8")
+    assert two == one and stats["kv_cache_dtype"] == "float8_e4m3fn"
