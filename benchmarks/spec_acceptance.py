@@ -25,8 +25,6 @@ a^j (1 - a) and all k with probability a^k: a + a^2 + ... + a^k on average.
 """
 import random
 
-import torch
-
 from nanograph.spec.scheduler import SpeculativeScheduler, VerifyBatch
 
 
@@ -59,18 +57,15 @@ class ForcedAcceptanceScheduler(SpeculativeScheduler):
 
 
 class RandomDrafts:
-    """A proposer (prompt lookup's interface, nanograph/spec/ngram.py): k random tokens for
-    every row."""
+    """A proposer (prompt lookup's interface, nanograph/spec/ngram.py): k random tokens after
+    any tokens."""
 
     def __init__(self, vocab_size: int, seed: int):
         self.vocab_size = vocab_size
-        self.generator = torch.Generator().manual_seed(seed)
+        self.random = random.Random(seed)
 
-    def __call__(self, tokens: torch.Tensor, lengths: torch.Tensor, num_speculative_tokens: int):
-        rows = tokens.shape[0]
-        drafts = torch.randint(self.vocab_size, (rows, num_speculative_tokens),
-                               generator=self.generator)
-        return drafts, torch.full((rows,), num_speculative_tokens)
+    def __call__(self, tokens: list[int], num_speculative_tokens: int) -> list[int]:
+        return [self.random.randrange(self.vocab_size) for _ in range(num_speculative_tokens)]
 
 
 def force_acceptance(llm, acceptance: float, seed: int = 0) -> None:

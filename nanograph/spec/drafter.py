@@ -32,10 +32,8 @@ import weakref
 from dataclasses import dataclass
 from functools import partial
 
-import torch
-
 from nanograph.engine.sequence import Status
-from nanograph.spec.ngram import propose_ngram_batched
+from nanograph.spec.ngram import propose_ngram
 
 MAX_BACKOFF = 16
 
@@ -89,8 +87,8 @@ class Backoff:
 class NgramDrafter:
     def __init__(self, config: SpeculativeConfig):
         self.config = config
-        # (tokens [rows, width], lengths [rows], k) -> drafts [rows, k], their number [rows]
-        self.proposer = partial(propose_ngram_batched, prompt_lookup_min=config.prompt_lookup_min,
+        # (token ids, k) -> up to k drafts
+        self.proposer = partial(propose_ngram, prompt_lookup_min=config.prompt_lookup_min,
                                 prompt_lookup_max=config.prompt_lookup_max)
         self.backoff: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # seq -> Backoff
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
@@ -121,13 +119,7 @@ class NgramDrafter:
     def lookup(self, histories: list[list[int]], num_tokens: int) -> list[list[int]]:
         """num_tokens drafts (or none) after each token list: prompt lookup (ngram.py), or the
         bench's."""
-        if not histories:
-            return []
-        lengths = list(map(len, histories))
-        width = max(lengths)
-        tokens = torch.tensor([history + [-1] * (width - len(history)) for history in histories])
-        drafts, counts = self.proposer(tokens, torch.tensor(lengths), num_tokens)
-        return [row[:count] for row, count in zip(drafts.tolist(), counts.tolist())]
+        return [self.proposer(history, num_tokens) for history in histories]
 
     def verified(self, batch):
         """After the scheduler's update of the verify step `batch`: count what its drafts got,

@@ -13,38 +13,30 @@ follow; the copy then runs on into the tokens it has just drafted, as an overlap
 
 and every match gives k drafts (`a b a b a b` drafts `a b a b ...`). No match gives none.
 
-`propose_ngram_batched` takes a batch of sequences in a [rows, width] tensor on the device,
-with no host round trip, so it can run right after a step's tokens are sampled, on tokens the
-host has not seen (overlap scheduling). It scores every candidate end position at once: the
-occurrence ending at `end` matches the last n tokens when tokens[end - 1 - i] == tokens[L - 1 -
-i] for i < n, so one pass over i = 0, 1, ... max_n - 1, AND-ing the comparisons, has the match
-of every n in turn; a longer n that matches anywhere overrides a shorter one. Its oracle, the
-same rule on one Python list, short and obvious, is in tests/test_spec.py.
+The search runs on the host, where the scheduler has the tokens, once per drafting sequence and
+step, and its time adds to every verify step's (a verify step is collected before the next is
+scheduled, so nothing hides it). So it is not a Python loop over candidate positions: the
+tokens are packed as 4-byte integers into one bytes object, and `bytes.rfind` (a C search)
+finds the suffix's most recent earlier occurrence; a hit at an offset that is not a multiple of
+4 straddles two tokens and the search goes on before it. Its oracle, the same rule as a plain
+loop over slices, is in tests/test_spec.py.
 """
-import torch
+from array import array
 
 
-def propose_ngram_batched(tokens: torch.Tensor, lengths: torch.Tensor,
-                          num_speculative_tokens: int, prompt_lookup_min: int,
-                          prompt_lookup_max: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """tokens [rows, width] (row r's sequence in its first lengths[r] entries, anything after)
-    -> drafts [rows, k] and their number [rows], k or 0 (a row without a match: its drafts are
-    meaningless)."""
-    rows, width = tokens.shape
-    ends = torch.arange(width, device=tokens.device)[None, :]   # candidate ends, [1, width]
-    lengths = lengths.long()[:, None]                           # [rows, 1]
-    matches = torch.ones(rows, width, dtype=torch.bool, device=tokens.device)
-    best_end = torch.full((rows, 1), -1, dtype=torch.long, device=tokens.device)
-    for i in range(prompt_lookup_max):
-        # tokens[end - 1 - i] at each end (what lies before the start is cut off below)
-        before_end = torch.nn.functional.pad(tokens, (i + 1, 0))[:, :width]
-        suffix_token = tokens.gather(1, (lengths - 1 - i).clamp(min=0))
-        matches &= (before_end == suffix_token) & (ends > i)
-        if i + 1 >= prompt_lookup_min:  # n = i + 1: the most recent match ending before L
-            end = torch.where(matches & (ends < lengths), ends, -1).amax(dim=1, keepdim=True)
-            best_end = torch.where(end >= 0, end, best_end)
-    found = best_end >= 0
-    period = (lengths - best_end).clamp(min=1)
-    steps = torch.arange(num_speculative_tokens, device=tokens.device)[None, :]
-    drafts = tokens.gather(1, torch.where(found, best_end + steps % period, 0))
-    return drafts, found[:, 0] * num_speculative_tokens
+def propose_ngram(tokens: list[int], num_speculative_tokens: int, prompt_lookup_min: int,
+                  prompt_lookup_max: int) -> list[int]:
+    """The draft after `tokens`: k tokens, or [] when its last n tokens (any n in [min, max])
+    never occurred before."""
+    length = len(tokens)
+    packed = array("i", tokens).tobytes()
+    for n in range(min(prompt_lookup_max, length - 1), prompt_lookup_min - 1, -1):
+        suffix = packed[4 * (length - n):]
+        stop = len(packed) - 4  # an occurrence ending before the last token
+        while (start := packed.rfind(suffix, 0, stop)) >= 0:
+            if start % 4 == 0:  # (else it straddles two tokens)
+                end = start // 4 + n
+                period = length - end
+                return [tokens[end + j % period] for j in range(num_speculative_tokens)]
+            stop = start + len(suffix) - 1
+    return []
