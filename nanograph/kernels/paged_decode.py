@@ -309,8 +309,8 @@ def paged_decode_attention(q, k, v, positions, slot_mapping, cos, sin, q_weight,
                       k_w_ptr=k_weight if has_norm else cos, eps=eps,
                       stride_kb=k.stride(0), stride_kh=k.stride(1), stride_vb=v.stride(0),
                       stride_vh=v.stride(1), stride_rope=cos.stride(0), HAS_NORM=has_norm)
-    return launch(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale,
-                  fused=True, new_tokens=new_tokens, out=torch.empty_like(q))
+    return _launch(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale,
+                   fused=True, new_tokens=new_tokens, out=torch.empty_like(q))
 
 
 def attend_rotated(q, k_cache, v_cache, block_tables, context_lens, scale: float,
@@ -321,12 +321,12 @@ def attend_rotated(q, k_cache, v_cache, block_tables, context_lens, scale: float
     unused = dict(k_ptr=q, v_ptr=q, pos_ptr=q, slot_ptr=q, cos_ptr=q, sin_ptr=q, q_w_ptr=q,
                   k_w_ptr=q, eps=0.0, stride_kb=0, stride_kh=0, stride_vb=0, stride_vh=0,
                   stride_rope=0, HAS_NORM=False)
-    return launch(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale,
-                  fused=False, new_tokens=unused, out=torch.empty_like(q) if out is None else out)
+    return _launch(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale,
+                   fused=False, new_tokens=unused, out=torch.empty_like(q) if out is None else out)
 
 
-def launch(q, k_cache, v_cache, block_tables, context_lens, scale: float, k_scale: float,
-           v_scale: float, fused: bool, new_tokens: dict, out: torch.Tensor) -> torch.Tensor:
+def _launch(q, k_cache, v_cache, block_tables, context_lens, scale: float, k_scale: float,
+            v_scale: float, fused: bool, new_tokens: dict, out: torch.Tensor) -> torch.Tensor:
     """_decode_kernel on the plan for q's batch, fused or split; `new_tokens`: the kernel's
     rotary and new-token arguments (the fused path's)."""
     batch, num_q_heads, head_dim = q.shape
