@@ -44,10 +44,10 @@ Hkv programs of one sequence run side by side, and as they walk their tiles toge
 each key's ``[Hkv, D]`` row, contiguous in the cache, as a whole, instead of ``D``-element pieces
 of rows whose other heads are read at another time (another DRAM page opening each).
 
-FP8. A float8_e4m3fn cache (kv_store.py) is loaded as bytes and widened in registers before
-the products (to float16 beside a bfloat16 model: tiles.py); k_scale multiplies the softmax scale and v_scale the output, so
-the loop does no extra work a key. The new token's row is rounded to e4m3 before the fused path
-splices it in, so this step reads what later steps will.
+FP8. A float8_e4m3fn cache (kv_store.py) is loaded as bytes and widened in registers before the
+products (to float16 beside a bfloat16 model: tiles.py); k_scale multiplies the softmax scale
+and v_scale the output, so the loop does no extra work a key. The new token's row is rounded to
+e4m3 before the fused path splices it in, so this step reads what later steps will.
 
 The plan, from static shapes only:
 - split path: ``B * Hkv * num_splits >= SPLIT_WAVES * SMs``, waves of programs rounded up, so the

@@ -13,12 +13,13 @@ How it runs. The draft model is a second nanograph engine (an `LLM`, built by th
 hands in, so that spec/ does not import llm.py): its own weights, its own KV cache, its own step
 graphs on CUDA, prefix caching on. `lookup` adds one greedy request per sequence to draft, the
 sequence's known tokens as its prompt and k tokens to generate (k + 1 when its last token is
-still in flight: drafter.py), and runs the draft engine until they are done. A round's prompt is the last round's, the drafts the target accepted and the
-target's own token after them, so its full blocks are prefix-cache hits (the last round
-registered them, its drafts' blocks included): the draft engine prefills only the last partial
-block and the new tokens, then runs k - 1 decode steps. Its blocks are small (DRAFT_BLOCK_SIZE)
-so that partial block is short. Those k draft steps run one after the other and before the
-verify step: a round costs them on top of the verify.
+still in flight: drafter.py), and runs the draft engine until they are done. A round's prompt is
+the last round's, the drafts the target accepted and the target's own token after them, so its
+full blocks are prefix-cache hits (the last round registered them, its drafts' blocks included):
+the draft engine prefills only the last partial block and the new tokens, then runs k - 1 decode
+steps. Its blocks are small (DRAFT_BLOCK_SIZE) so that partial block is short. Those k draft
+steps run one after the other and before the verify step: a round costs them on top of the
+verify.
 
 Both on one GPU. The draft engine is built first, its KV cache sized by count, not by memory:
 enough blocks for every sequence that may draft at once (the smaller of `disable_by_batch_size`
