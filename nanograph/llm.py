@@ -36,8 +36,9 @@ Extensions. `install_extensions` is the one place that names them: LoRA (lora/) 
 table to the scheduler and its runner extension to the runner; the batch-1 chain (fast/) is a
 runner extension on CUDA; speculative decoding (spec/) replaces the scheduler with its own and
 hands the runner its verify graphs (and is handed the `LLM` class, to build a draft model's
-engine with, without importing this module); tensor parallelism (engine/tp.py) replaces the runner. The rest of the
-engine calls them through the scheduler's and the runner's hooks and imports none of them.
+engine with, without importing this module); tensor parallelism (engine/tp.py) replaces the
+runner. The rest of the engine calls them through the scheduler's and the runner's hooks and
+imports none of them.
 """
 import contextlib
 import dataclasses

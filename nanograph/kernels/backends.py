@@ -3,7 +3,7 @@
 flash_attn attends a part of a step (its decode rows or its prefill chunks) as
 `attend(q, k_cache, v_cache, inputs, scale)`, after the layer rotated q and stored the new K/V:
 q [tokens, Hq, D], the caches [blocks, block_size, Hkv, D], `inputs` the part's
-`AttentionInputs` (utils/context.py), as the torch oracle does. triton takes the whole step:
+`AttentionInputs` (utils/context.py), as the torch oracle does. The two that run on the GPU:
 - `triton`: `triton_attention` takes the whole step, both parts, rotary and the K/V store
   included: a decode-only step is paged_decode.py's (one kernel at small batch); a step with
   prefill chunks rotates and stores every token in one launch (kv_store.py), then the decode

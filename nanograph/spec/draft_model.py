@@ -61,16 +61,16 @@ class DraftModelDrafter(NgramDrafter):
                              "target's tokenizer")
         self.engine.tokenizer = None  # token ids in, token ids out: no text to make
 
-    def lookup(self, histories: list[list[int]], num_tokens: int) -> list[list[int]]:
-        """num_tokens greedy drafts after each token list (fewer near `max_model_len`)."""
-        if not histories:
-            return []
+    def lookup(self, histories: list[list[int]], counts: list[int]) -> list[list[int]]:
+        """counts[i] greedy drafts after token list histories[i] (fewer near `max_model_len`),
+        all from one run of the draft engine."""
         limit = self.engine.config.max_model_len  # (the draft model's may be the shorter)
         drafting = [history for history in histories if len(history) < limit]
         params = [SamplingParams(temperature=0,
-                                 max_tokens=min(num_tokens, limit - len(history)),
-                                 ignore_eos=True) for history in drafting]
-        outputs = iter(self.engine.generate(drafting, params, use_tqdm=False))
+                                 max_tokens=min(count, limit - len(history)),
+                                 ignore_eos=True)
+                  for history, count in zip(histories, counts) if len(history) < limit]
+        outputs = iter(self.engine.generate(drafting, params, use_tqdm=False) if drafting else [])
         return [next(outputs)["token_ids"] if len(history) < limit else []
                 for history in histories]
 

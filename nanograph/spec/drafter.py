@@ -55,7 +55,8 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config must be a dict, got {type(values).__name__}")
         known = set(cls.__dataclass_fields__)
         if (unknown := sorted(set(values) - known)):
-            raise ValueError(f"speculative_config: unknown key {unknown[0]!r} (known: {sorted(known)})")
+            raise ValueError(f"speculative_config: unknown key {unknown[0]!r} "
+                             f"(known: {sorted(known)})")
         method = values.get("method", "draft_model" if "model" in values else "ngram")
         if method not in ("ngram", "draft_model"):
             raise ValueError("speculative_config['method'] must be 'ngram' or 'draft_model', "
@@ -104,22 +105,25 @@ class NgramDrafter:
                 backoff.wait -= 1
             else:
                 candidates.append(seq)
-        num_tokens = self.config.num_speculative_tokens
-        known = [seq for seq in candidates if seq.token_ids[-1] >= 0]  # (not a placeholder)
-        in_flight = [seq for seq in candidates if seq.token_ids[-1] < 0]
-        drafts = dict(zip(known, self.lookup([seq.token_ids for seq in known], num_tokens)))
-        # drafted from the tokens before it, one more, the first a guess of the token in flight
-        guesses = self.lookup([seq.token_ids[:-1] for seq in in_flight], num_tokens + 1)
-        drafts |= {seq: tokens[1:] for seq, tokens in zip(in_flight, guesses)}
-        for seq in candidates:
-            if not drafts[seq]:
+        if not candidates:
+            return None
+        # 1 where the last token is a placeholder, in flight: draft from the tokens before it,
+        # one more, the first a guess of that token (dropped)
+        guessed = [int(seq.token_ids[-1] < 0) for seq in candidates]
+        histories = [seq.token_ids[:len(seq) - guess] for seq, guess in zip(candidates, guessed)]
+        counts = [self.config.num_speculative_tokens + guess for guess in guessed]
+        drafts = {}
+        for seq, guess, tokens in zip(candidates, guessed, self.lookup(histories, counts)):
+            if tokens:
+                drafts[seq] = tokens[guess:]
+            else:
                 self.record(seq, accepted=0)  # nothing to copy from: a miss too
-        return {seq: tokens for seq, tokens in drafts.items() if tokens} or None
+        return drafts or None
 
-    def lookup(self, histories: list[list[int]], num_tokens: int) -> list[list[int]]:
-        """num_tokens drafts (or none) after each token list: prompt lookup (ngram.py), or the
-        bench's."""
-        return [self.proposer(history, num_tokens) for history in histories]
+    def lookup(self, histories: list[list[int]], counts: list[int]) -> list[list[int]]:
+        """Up to counts[i] drafts (or none) after token list histories[i]: prompt lookup
+        (ngram.py), or the bench's."""
+        return [self.proposer(history, count) for history, count in zip(histories, counts)]
 
     def verified(self, batch):
         """After the scheduler's update of the verify step `batch`: count what its drafts got,

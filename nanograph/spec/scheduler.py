@@ -37,9 +37,10 @@ class SpeculativeScheduler(Scheduler):
 
     def commit(self, decodes: list[Sequence], prefills: list[tuple[Sequence, int]]) -> Batch:
         proposed = self.drafter.propose(decodes, prefills)
-        num_drafts = [self.add_drafts(seq, proposed.get(seq, [])) for seq in decodes] \
-            if proposed else []
-        if not any(num_drafts):  # a plain step (may overlap the next)
+        if proposed is None:  # a plain step (may overlap the next)
+            return super().commit(decodes, prefills)
+        num_drafts = [self.add_drafts(seq, proposed.get(seq, [])) for seq in decodes]
+        if not any(num_drafts):  # no room for them: a plain step too
             return super().commit(decodes, prefills)
         batch = VerifyBatch(seqs=decodes,  # (the drafter drafts only where nothing prefills)
                             num_decodes=0,
@@ -72,16 +73,16 @@ class SpeculativeScheduler(Scheduler):
         return count
 
     def update(self, batch: Batch, sampled: list[int], *logprobs):
-        if isinstance(batch, VerifyBatch):
-            for seq in batch.seqs:
-                seq.drafts_from = None  # checked now
+        if not isinstance(batch, VerifyBatch):  # a plain step: no drafts among its rows
+            return super().update(batch, sampled, *logprobs)
+        for seq in batch.seqs:
+            seq.drafts_from = None  # checked now
         for (seq, _, index), token in zip(batch.rows, sampled):
             live = seq.status != Status.FINISHED and index < len(seq)
             if live and 0 <= seq.token_ids[index] != token:  # a draft (>= 0), contradicted
                 self.reject_drafts(seq, index, token)
         updated = super().update(batch, sampled, *logprobs)
-        if isinstance(batch, VerifyBatch):
-            self.drafter.verified(batch)
+        self.drafter.verified(batch)
         return updated
 
     def reject_drafts(self, seq: Sequence, index: int, token: int):
