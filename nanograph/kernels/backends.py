@@ -13,6 +13,9 @@ q [tokens, Hq, D], the caches [blocks, block_size, Hkv, D], `inputs` the part's
   cache through the same block tables (it needs 256-token blocks and a cache of the model's
   dtype: `check_flash_attn`). An optional package: imported when the backend runs.
 """
+import contextlib
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -33,13 +36,36 @@ def triton_attention(q, k, v, positions, md: StepMetadata, rotary: tuple, k_cach
                                       v_cache, decode.block_tables, decode.context_lens, scale)
     q = rotate_and_store(q, k, v, positions, *rotary, k_cache, v_cache, md.slot_mapping)
     out = torch.empty_like(q)
+    # The chunks' kernel has a few programs, the decode rows' fill the GPU: one beside the other
+    with on_a_side_stream(q.device) as join_side_stream:
+        paged_prefill_attention(q[num_decodes:], k_cache, v_cache, prefill.cu_seqlens_q,
+                                prefill.context_lens, prefill.block_tables,
+                                prefill.max_seqlen_q, scale, out=out[num_decodes:])
     if decode is not None:
         attend_rotated(q[:num_decodes], k_cache, v_cache, decode.block_tables,
                        decode.context_lens, scale, out=out[:num_decodes])
-    paged_prefill_attention(q[num_decodes:], k_cache, v_cache, prefill.cu_seqlens_q,
-                            prefill.context_lens, prefill.block_tables, prefill.max_seqlen_q,
-                            scale, out=out[num_decodes:])
+    join_side_stream()
     return out
+
+
+@functools.lru_cache
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)
+
+
+@contextlib.contextmanager
+def on_a_side_stream(device: torch.device):
+    """On CUDA, the work in the block runs on a second stream: after the current stream's work
+    so far, and concurrently with what the current stream launches next, until the yielded
+    `join` makes the current stream wait for it. A CUDA graph captures the two as parallel
+    branches. Elsewhere the block just runs and `join` does nothing."""
+    if device.type != "cuda":
+        yield lambda: None
+        return
+    main, side = torch.cuda.current_stream(device), side_stream(device)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        yield lambda: main.wait_stream(side)
 
 
 def check_flash_attn(config):
