@@ -9,7 +9,7 @@ import torch
 from conftest import hf_greedy
 from nanograph import LLM, SamplingParams
 from nanograph.engine.block_manager import BlockManager
-from nanograph.engine.scheduler import Scheduler
+from nanograph.engine.scheduler import DRAIN_STEPS, Scheduler
 from nanograph.engine.sequence import Sequence
 from test_engine import assert_all_blocks_free, random_prompts
 
@@ -190,18 +190,34 @@ def test_mixed_graphs_match_eager_mixed_steps(tiny_model, family):
     assert stats["graph_replays"] > 0 and len(stats["mixed_graph_grid"]) == 4
 
 
+def mixed_step_after(num_short: int, prompt_len: int):
+    """A scheduler of 16 seats (prefill budgets 256, and 128 while decoding) whose `num_short`
+    sequences decode, and the step it makes once a prompt of `prompt_len` tokens waits."""
+    params = SamplingParams(max_tokens=100, ignore_eos=True)
+    sched = Scheduler(BlockManager(256, 16, False), max_num_seqs=16,
+                      max_num_batched_tokens=256, max_num_mixed_tokens=128)
+    sched.waiting.extend(Sequence(i, [1, 2, 3], params, 16) for i in range(num_short))
+    first = sched.schedule()
+    assert first.kind == "prefill" and first.num_tokens == [3] * num_short
+    sched.update(first, [5] * num_short)
+    sched.waiting.append(Sequence(num_short, list(range(prompt_len)), params, 16))
+    step = sched.schedule()
+    assert step.kind == "mixed" and step.num_decodes == num_short
+    return step
+
+
 def test_the_prefill_budget_follows_the_free_seats():
     """A mixed step's prefill tokens: max_num_mixed_tokens by the share of seats not decoding,
-    never under a sixteenth of it; a prefill-only step gets max_num_batched_tokens."""
-    params = SamplingParams(max_tokens=100, ignore_eos=True)
+    never under a sixteenth of it (a backlog large enough not to matter)."""
     for num_short, prefill_tokens in ((2, 128 * 14 // 16), (15, 128 // 16)):
-        sched = Scheduler(BlockManager(64, 16, False), max_num_seqs=16,
-                          max_num_batched_tokens=256, max_num_mixed_tokens=128)
-        sched.waiting.extend(Sequence(i, [1, 2, 3], params, 16) for i in range(num_short))
-        first = sched.schedule()
-        assert first.kind == "prefill" and first.num_tokens == [3] * num_short
-        sched.update(first, [5] * num_short)
-        sched.waiting.append(Sequence(num_short, list(range(500)), params, 16))
-        step = sched.schedule()
-        assert step.kind == "mixed" and step.num_decodes == num_short
+        step = mixed_step_after(num_short, prompt_len=2000)
         assert step.num_tokens == [1] * num_short + [prefill_tokens]
+
+
+def test_a_small_backlog_goes_in_over_several_steps():
+    """With free seats to spare, a mixed step prefills an eighth of the prompt tokens waiting
+    (DRAIN_STEPS), never under an eighth of max_num_mixed_tokens, and never over the seat
+    rule's budget."""
+    assert DRAIN_STEPS == 8
+    for prompt_len, prefill_tokens in ((500, 500 // 8), (100, 128 // 8), (2000, 128 * 14 // 16)):
+        assert mixed_step_after(2, prompt_len).num_tokens == [1, 1, prefill_tokens]

@@ -23,7 +23,11 @@ tokens, so the prefill part gets less, in proportion to the batch's free seats:
 it. A nearly empty batch (a burst arriving) fills fast, and filling it is what raises
 throughput; in a full batch a new prompt only takes the seat of one that finished, so
 prefilling it faster would gain nothing, and small chunks keep the gaps between tokens even
-(docs/performance.md has the measurements).
+(docs/performance.md has the measurements). And the prefill part takes at most a DRAIN_STEPS-th
+of the prompt tokens waiting (the backlog), but never less than an eighth of
+`max_num_mixed_tokens`. A burst's backlog is large and leaves the seat rule in charge; under a
+steady stream of requests the backlog is a prompt or two, which then goes in small chunks over
+several steps, instead of one long step now and then: the gaps between tokens stay even.
 
 A step's life has two halves, because with overlap scheduling (llm.py) the next step is
 scheduled before this one's tokens are back:
@@ -63,6 +67,8 @@ from dataclasses import dataclass, field
 
 from nanograph.engine.block_manager import BlockManager
 from nanograph.engine.sequence import Sequence, Status
+
+DRAIN_STEPS = 8  # a mixed step prefills at most this share of the backlog (see above)
 
 
 @dataclass
@@ -124,10 +130,13 @@ class Scheduler:
 
     def prefill_budget(self, num_decodes: int) -> int:
         """A mixed step's prefill tokens: `max_num_mixed_tokens` by the share of free seats,
-        at least a sixteenth of it."""
+        at least a sixteenth of it; and a DRAIN_STEPS-th of the prompt tokens waiting, at least
+        an eighth of `max_num_mixed_tokens` (see above)."""
         free_seats = max(self.max_num_seqs - num_decodes, 0)
-        return max(self.max_num_mixed_tokens * free_seats // self.max_num_seqs,
-                   self.max_num_mixed_tokens // 16)
+        by_seats = max(self.max_num_mixed_tokens * free_seats // self.max_num_seqs,
+                       self.max_num_mixed_tokens // 16)
+        backlog = sum(len(seq) - seq.num_computed_tokens for seq in self.waiting)
+        return min(by_seats, max(backlog // DRAIN_STEPS, self.max_num_mixed_tokens // 8))
 
     def schedule_decodes(self):
         """Every running sequence, each with room for one more token (preempting for it)."""
