@@ -33,6 +33,9 @@ The workloads (issue 43; its targets print with the ratios):
   each, max_num_seqs 64 and 512 (the engine is built with max_model_len 8192 for them);
 - Poisson arrivals at 4, 16 and 64 requests/s, max_num_seqs=512: the reference workload's first
   requests, at most 128 of them and at most about 8 s of arrivals (so 32 at 4 req/s).
+Then issue 54's ITL rows, decode-first only: the reference workload at t=0 on a second engine,
+built with max_num_seqs=64 as a user would build it (its graph ladder and prefill budget follow
+from 64, where the runs above only lower the scheduler's limit), and the Poisson runs above.
 Capped so that the section takes about 3 minutes for the Qwen3-0.6B shape on an H100.
 `--quick` (a CPU): the quick workload, 8 long prompts of 60-200 tokens, max_num_seqs 4 for the
 "64" runs, 10 and 40 req/s, and prefill budgets of 128 (32 while decoding) so that prompts chunk.
@@ -263,6 +266,9 @@ TARGET_64 = Target("ITL p99 <= 1.5x p50 and <= 0.5x old's; tok/s >= 1.10x old's"
 TARGET_512 = Target("tok/s >= old's (and --run's >= 18,000)",
                     lambda new, old: new.tokens_per_s >= old.tokens_per_s)
 TARGET_LONG = Target("longest gap <= 3x ITL p50", lambda new, old: new.itl_max <= 3 * new.itl_p50)
+ITL_RATIO = 1.5  # issue 54: ITL p99 <= 1.5x p50 (H100, Qwen3-0.6B shape), decode-first rule
+TARGET_ITL = Target(f"ITL p99 <= {ITL_RATIO}x p50 (issue 54)",
+                    lambda new, old: new.itl_p99 <= ITL_RATIO * new.itl_p50)
 
 
 @dataclass
@@ -318,12 +324,12 @@ def poisson_runs(setup: Setup, scale: Scale) -> list[ServingRun]:
     for rate in scale.rates:
         n = min(scale.max_requests, reference.num_seqs, math.ceil(rate * scale.arrival_seconds))
         runs.append(ServingRun(f"Poisson {rate:g} req/s, {n} requests", reference.head(n), 512,
-                               poisson_arrivals(n, rate)))
+                               poisson_arrivals(n, rate), TARGET_ITL if rate == 64 else None))
     return runs
 
 
-def warmup_run(setup: Setup) -> ServingRun:
-    return ServingRun("warm-up", setup.warmup, 512, [0.0] * setup.warmup.num_seqs)
+def warmup_run(setup: Setup, max_num_seqs: int = 512) -> ServingRun:
+    return ServingRun("warm-up", setup.warmup, max_num_seqs, [0.0] * setup.warmup.num_seqs)
 
 
 def serving_knobs(setup: Setup, scale: Scale) -> dict:
@@ -333,8 +339,8 @@ def serving_knobs(setup: Setup, scale: Scale) -> dict:
                 max_model_len=max(setup.args.max_model_len, scale.max_model_len), **scale.budgets)
 
 
-def serving_engine(setup: Setup, scale: Scale):
-    llm = setup.llm(**serving_knobs(setup, scale))
+def serving_engine(setup: Setup, scale: Scale, knobs: dict | None = None):
+    llm = setup.llm(**(knobs or serving_knobs(setup, scale)))
     llm.scheduler.__class__ = RuleScheduler  # the same scheduler, with the rule switch
     return llm
 
@@ -404,7 +410,7 @@ def compare_rules(runs: list[ServingRun], results: list[ServingResult], judge: b
                      "itl_p99": ratio(new.itl_p99, old.itl_p99),
                      "itl_max": ratio(new.itl_max, old.itl_max),
                      "target": run.target.text if run.target else None, "met": met})
-    print_table("Decode-first over prefill-first, same workload (targets: issue 43, on an H100, "
+    print_table("Decode-first over prefill-first, same workload (targets: issues 43 and 54, on an H100, "
                 "Qwen3-0.6B shape; judged on full runs on CUDA only)",
                 ["workload", "tok/s new/old", "TTFT p99 new/old", "ITL p99 new/old",
                  "longest gap new/old", "target", "met"],
@@ -413,6 +419,40 @@ def compare_rules(runs: list[ServingRun], results: list[ServingResult], judge: b
                   r["target"] or "-", "-" if r["met"] is None else "yes" if r["met"] else "NO"]
                  for r in rows])
     return rows
+
+
+def built_with_few_seats(setup: Setup, scale: Scale) -> ServingResult:
+    """The reference workload, all at t=0, on an engine built with max_num_seqs=few_seqs as a
+    user would build it (so its graphs and prefill budgets follow from that number), not on the
+    section's 512-seat engine with the scheduler's limit lowered."""
+    knobs = serving_knobs(setup, scale) | dict(max_num_seqs=scale.few_seqs)
+    llm = serving_engine(setup, scale, knobs)
+    try:
+        run_rule(llm, setup, warmup_run(setup, scale.few_seqs), "decode-first")
+        run = ServingRun(f"reference, engine of {scale.few_seqs} seats", setup.workload,
+                         scale.few_seqs, [0.0] * setup.workload.num_seqs)
+        return run_rule(llm, setup, run, "decode-first")
+    finally:
+        llm.close()
+        del llm
+        report_leftover_memory("the engine of few seats")
+
+
+def print_itl_targets(few_seats: ServingResult, results: list[ServingResult], judge: bool):
+    """Issue 54's ITL rows: the engine built with few seats, and the Poisson runs of the
+    section's engine (512 seats, the default) under the decode-first rule."""
+    poisson = [r for r in results if r.workload.startswith("Poisson") and r.rule == "decode-first"]
+    rows = []
+    for result in [few_seats, *poisson]:
+        judged = judge and not result.workload.startswith("Poisson 16")  # 16 req/s: reported
+        met = result.itl_p99_vs_p50 is not None and result.itl_p99_vs_p50 <= ITL_RATIO
+        rows.append([result.workload, result.max_num_seqs, f"{result.tokens_per_s:,.0f}",
+                     cell(ms(result.itl_p50), ".2f"), cell(ms(result.itl_p99), ".2f"),
+                     cell(result.itl_p99_vs_p50, ".2f", "x"),
+                     ("met" if met else "MISSED") if judged else "-"])
+    print_table(f"ITL under the decode-first rule (target: issue 54, p99 <= {ITL_RATIO}x p50 on "
+                "an H100; the 16 req/s row reported); ms",
+                ["workload", "seats", "tok/s", "ITL p50", "ITL p99", "p99/p50", "target"], rows)
 
 
 def section_serving(setup: Setup) -> dict:
@@ -433,6 +473,7 @@ def section_serving(setup: Setup) -> dict:
         llm.close()
         del llm
         report_leftover_memory("the serving engine")
+    few_seats = built_with_few_seats(setup, scale)
     print_engine(engine)
     if skipped:
         print(f"  skipped (longer than max_model_len {engine['max_model_len']}): "
@@ -442,7 +483,9 @@ def section_serving(setup: Setup) -> dict:
     ratios = compare_rules(runs, results, judge)
     if sweep:
         print_budget_sweep(sweep, judge)
+    print_itl_targets(few_seats, results, judge)
     return {"engine": engine,
+            "engine_of_few_seats": few_seats.to_dict(),
             "skipped": skipped,
             "runs": [r.to_dict() for r in results],
             "ratios": ratios,
