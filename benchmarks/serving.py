@@ -279,6 +279,7 @@ class ServingRun:
     max_num_seqs: int
     arrivals: list[float]  # seconds from the start, in order; all 0: continuous admission
     target: Target | None = None
+    streamed: bool = True  # over HTTP: False, one response a request (its TTFT, ITL unknown)
 
     def fits(self, max_model_len: int) -> bool:
         lengths = zip(self.workload.prompts, self.workload.max_tokens)

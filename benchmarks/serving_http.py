@@ -105,10 +105,14 @@ class HttpClient:
 
     With `model`, each request names it (a router such as smg requires the field); with
     `text_prompts`, a prompt goes as the word-level tokenizer's text ("t12 t7 ...", the same
-    tokens for the server), for a router that routes on text."""
+    tokens for the server), for a router that routes on text. With `stream=False`, a request
+    asks for one JSON response, and its tokens (the usage count) arrive at once when it ends:
+    for throughput at saturation, where reading every chunk of thousands of streams a second
+    would make this one thread the limit."""
     url: str
     model: str | None = None
     text_prompts: bool = False
+    stream: bool = True
     # from the reader: (request, 0, perf_counter()) when it is sent, (request, tokens so far,
     # perf_counter()) per chunk, then at the stream's end (request, None, None or the exception
     # that ended it)
@@ -132,8 +136,9 @@ class HttpClient:
         text = " ".join(f"t{token}" for token in prompt) if self.text_prompts else None
         body = {"prompt": text or prompt, "max_tokens": params.max_tokens,
                 "temperature": params.temperature, "ignore_eos": params.ignore_eos,
-                "skip_special_tokens": False, "stream": True,
-                "stream_options": {"include_usage": True}}
+                "skip_special_tokens": False, "stream": self.stream}
+        if self.stream:
+            body["stream_options"] = {"include_usage": True}
         if self.model:
             body["model"] = self.model
         self.streams[key] = asyncio.run_coroutine_threadsafe(self.read(key, body), self.loop)
@@ -166,7 +171,18 @@ class HttpClient:
         tokens, error, writer = 0, None, None
         self.events.put((key, 0, time.perf_counter()))
         try:
-            reader, writer = await self.post("/v1/completions", body)
+            reader, writer, length = await self.post("/v1/completions", body)
+            if not self.stream:  # (a router may send the JSON chunked)
+                body = await (reader.readexactly(length) if length is not None
+                              else chunked_body(reader))
+                completion = json.loads(body)
+                self.events.put((key, completion["usage"]["completion_tokens"],
+                                 time.perf_counter()))
+                self.idle.append((reader, writer, time.monotonic()))
+                self.events.put((key, None, None))
+                return
+            if length is not None:
+                raise RuntimeError("a stream without chunked encoding")
             async for line in events(reader):
                 when = time.perf_counter()
                 chunk = json.loads(line)
@@ -188,7 +204,7 @@ class HttpClient:
 
     async def post(self, path: str, body: dict):
         """Send a POST; read its status line and headers. The connection's (reader, writer),
-        positioned at the body."""
+        positioned at the body, and the body's Content-Length (None: chunked)."""
         reader, writer = await self.connection()
         data = json.dumps(body).encode()
         writer.write(f"POST {path} HTTP/1.1\r\nHost: bench\r\n"
@@ -201,10 +217,12 @@ class HttpClient:
         if " 200 " not in status:
             writer.close()
             raise RuntimeError(f"{status.strip()}: {(await reader.read(4096)).decode()}")
-        if "transfer-encoding: chunked\r\n" not in headers:
+        lengths = [int(line.partition(":")[2]) for line in headers
+                   if line.startswith("content-length:")]
+        if not lengths and "transfer-encoding: chunked\r\n" not in headers:
             writer.close()
-            raise RuntimeError(f"a stream without chunked encoding: {headers}")
-        return reader, writer
+            raise RuntimeError(f"a body neither chunked nor of a known length: {headers}")
+        return reader, writer, lengths[0] if lengths else None
 
     async def connection(self):
         """An idle connection young enough that the server keeps it (uvicorn closes one idle
@@ -236,6 +254,16 @@ class HttpClient:
 
     def __exit__(self, *exc):
         self.close()
+
+
+async def chunked_body(reader: asyncio.StreamReader) -> bytes:
+    """A chunked body's bytes, read to its end."""
+    parts = []
+    while size := int((await reader.readline()).strip(), 16):
+        parts.append(await reader.readexactly(size))
+        await reader.readline()  # (the chunk's CRLF)
+    await reader.readline()  # (the body's last CRLF)
+    return b"".join(parts)
 
 
 async def events(reader: asyncio.StreamReader):

@@ -339,6 +339,68 @@ def test_the_http_client_reads_each_event_of_a_chunked_sse_body():
         asyncio.run(read(b"".join(events)))  # the server went away mid-stream
 
 
+class FakeServer:
+    """An HTTP/1.1 server on 127.0.0.1 on a thread of its own: each request's JSON body goes to
+    `bodies`, and `respond(body)` gives the bytes of the answer (status line on); `connections`
+    counts the connections it accepted."""
+
+    def __init__(self, respond):
+        self.respond, self.connections, self.bodies = respond, [], []
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        self.server = asyncio.run_coroutine_threadsafe(
+            asyncio.start_server(self.serve, "127.0.0.1", 0), self.loop).result()
+        self.url = f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def serve(self, reader, writer):
+        self.connections.append(writer)
+        with contextlib.suppress(asyncio.IncompleteReadError):  # (the client closing)
+            while True:  # (until the client closes: readuntil raises)
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+                self.bodies.append(json.loads(await reader.readexactly(length)))
+                writer.write(self.respond(self.bodies[-1]))
+
+    def close(self):
+        self.loop.call_soon_threadsafe(self.server.close)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+def three_tokens_streamed(body) -> bytes:
+    events = [{"choices": [{"text": f"t{i}"}]} for i in range(3)]
+    events.append({"choices": [], "usage": {"completion_tokens": 3}})
+    body = b"".join(chunk(f"data: {json.dumps(e)}\n\n") for e in events)
+    return (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" + body
+            + chunk("data: [DONE]\n\n") + b"0\r\n\r\n")
+
+
+def three_tokens_at_once(body) -> bytes:
+    data = json.dumps({"choices": [{"text": "t0t1t2"}], "usage": {"completion_tokens": 3}})
+    return f"HTTP/1.1 200 OK\r\ncontent-length: {len(data)}\r\n\r\n{data}".encode()
+
+
+def three_tokens_at_once_chunked(body) -> bytes:
+    data = json.dumps({"choices": [{"text": "t0t1t2"}], "usage": {"completion_tokens": 3}})
+    return (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+            + chunk(data[:10]) + chunk(data[10:]) + b"0\r\n\r\n")
+
+
+def entries_of_four_requests(client) -> list[list]:
+    """Four requests one after another: each one's (tokens so far) entries, checked to come after
+    the moment it was added."""
+    params = SimpleNamespace(max_tokens=3, temperature=0.0, ignore_eos=True)
+    counts = []
+    for _ in range(4):
+        added = time.perf_counter()
+        client.add([1, 2], params)
+        entries = []
+        while client.busy():
+            entries += client.step()
+        assert added <= entries[0][2] <= entries[1][2]
+        counts.append([count for _, count, _ in entries])
+    return counts
+
+
 @pytest.mark.parametrize("options, prompt", [({}, [1, 2]),
                                              ({"model": "m", "text_prompts": True}, "t1 t2")])
 def test_the_http_client_reuses_a_connection_whose_stream_has_ended(options, prompt):
@@ -346,46 +408,27 @@ def test_the_http_client_reuses_a_connection_whose_stream_has_ended(options, pro
     chunked body to its end (the `0` chunk), and counts every token of every stream, after the
     moment it sent the request. Each body has the prompt as token ids, or as the word-level
     tokenizer's text with the model named (for a router)."""
-    connections, bodies = [], []
+    server = FakeServer(three_tokens_streamed)
+    with serving_http.HttpClient(server.url, **options) as client:
+        assert entries_of_four_requests(client) == [[0, 1, 2, 3]] * 4  # sent, then its tokens
+    assert len(server.connections) == 1
+    sent = [(body["prompt"], body.get("model"), body["stream"]) for body in server.bodies]
+    assert sent == [(prompt, options.get("model"), True)] * 4
+    server.close()
 
-    async def serve(reader, writer):  # every request: three tokens, usage, [DONE]
-        connections.append(writer)
-        with contextlib.suppress(asyncio.IncompleteReadError):  # (the client closing)
-            await answer(reader, writer)
 
-    async def answer(reader, writer):
-        while True:  # (until the client closes: readuntil raises)
-            head = await reader.readuntil(b"\r\n\r\n")
-            length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
-            bodies.append(json.loads(await reader.readexactly(length)))
-            events = [{"choices": [{"text": f"t{i}"}]} for i in range(3)]
-            events.append({"choices": [], "usage": {"completion_tokens": 3}})
-            body = b"".join(chunk(f"data: {json.dumps(e)}\n\n") for e in events)
-            writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" + body
-                         + chunk("data: [DONE]\n\n") + b"0\r\n\r\n")
-
-    async def start():
-        return await asyncio.start_server(serve, "127.0.0.1", 0)
-
-    loop = asyncio.new_event_loop()
-    threading.Thread(target=loop.run_forever, daemon=True).start()
-    server = asyncio.run_coroutine_threadsafe(start(), loop).result()
-    port = server.sockets[0].getsockname()[1]
-    params = SimpleNamespace(max_tokens=3, temperature=0.0, ignore_eos=True)
-    with serving_http.HttpClient(f"http://127.0.0.1:{port}", **options) as client:
-        for _ in range(4):
-            added = time.perf_counter()
-            client.add([1, 2], params)
-            entries = []
-            while client.busy():
-                entries += client.step()
-            assert [count for _, count, _ in entries] == [0, 1, 2, 3]  # sent, then its tokens
-            assert added <= entries[0][2] <= entries[1][2]
-    assert len(connections) == 1
-    sent = [(body["prompt"], body.get("model")) for body in bodies]
-    assert sent == [(prompt, options.get("model"))] * 4
-    loop.call_soon_threadsafe(server.close)
-    loop.call_soon_threadsafe(loop.stop)
+@pytest.mark.parametrize("respond", [three_tokens_at_once, three_tokens_at_once_chunked])
+def test_the_http_client_without_streams_counts_a_response_s_tokens_at_once(respond):
+    """`stream=False`: each request asks for one response (of a known length, or chunked as a
+    router may send it); its usage count arrives in one entry after the one of its sending, and
+    the connection is used again."""
+    server = FakeServer(respond)
+    with serving_http.HttpClient(server.url, stream=False) as client:
+        assert entries_of_four_requests(client) == [[0, 3]] * 4
+    assert len(server.connections) == 1
+    assert [body["stream"] for body in server.bodies] == [False] * 4
+    assert all("stream_options" not in body for body in server.bodies)
+    server.close()
 
 
 def test_the_shared_prefix_workload_and_its_text(tmp_path):
@@ -412,6 +455,19 @@ def test_the_shared_prefix_workload_and_its_text(tmp_path):
     checkpoint.write_tokenizer(str(tmp_path / "tok"), AutoConfig.from_pretrained(setup.model_dir))
     tokenizer = AutoTokenizer.from_pretrained(str(tmp_path / "tok"))
     assert tokenizer.encode(" ".join(f"t{t}" for t in salted[0])) == salted[0]
+
+
+def test_the_saturation_workload_arrives_at_once_with_equal_lengths(tmp_path):
+    """--data-parallel-size's saturation run: every request at t=0, each asking for the same
+    number of tokens (no tail), prompts within their bounds, sent without streams."""
+    setup = harness.build_setup(bench.parse_args(["--quick", "--device", "cpu"]), str(tmp_path),
+                                "qwen3-0.6b")
+    sizes = serving_dp.FULL_SATURATION
+    run = serving_dp.saturation_run(setup, sizes)
+    assert run.arrivals == [0.0] * sizes.requests and not run.streamed
+    assert run.workload.max_tokens == [sizes.output_len] * sizes.requests
+    lengths = [len(prompt) for prompt in run.workload.prompts]
+    assert sizes.prompt_lens[0] <= min(lengths) < max(lengths) <= sizes.prompt_lens[1]
 
 
 def test_the_http_target_is_itl_p99_and_ttft_p50():
