@@ -470,6 +470,18 @@ def test_the_saturation_workload_arrives_at_once_with_equal_lengths(tmp_path):
     assert sizes.prompt_lens[0] <= min(lengths) < max(lengths) <= sizes.prompt_lens[1]
 
 
+def test_the_shared_prefix_contrast_caches_half_the_system_prompts(tmp_path):
+    """The contrast run: the shared-prefix workload at t=0, on replicas whose caches hold half
+    the system prompts' blocks and the running requests' headroom."""
+    setup = harness.build_setup(bench.parse_args(["--quick", "--device", "cpu"]), str(tmp_path),
+                                "qwen3-0.6b")
+    sizes = serving_dp.FULL_SHARED  # 32 system prompts of 1,024 tokens: 4 blocks of 256 each
+    assert serving_dp.contrast_blocks(sizes, 256) == 64 + serving_dp.HEADROOM_BLOCKS
+    run = serving_dp.contrast_run(setup, serving_dp.QUICK_SHARED)
+    shared = serving_dp.shared_prefix_run(setup, serving_dp.QUICK_SHARED)
+    assert run.workload == shared.workload and run.arrivals == [0.0] * len(shared.arrivals)
+
+
 def test_the_http_target_is_itl_p99_and_ttft_p50():
     """At most 1.2x the in-process ITL p99, and TTFT p50 within two in-process steps."""
     local = SimpleNamespace(itl_p99=1.0, ttft_p50=5.0, step_p50=1.0)
