@@ -30,8 +30,9 @@ reference run. benchmarks/<section>.py has its code and says why its figures com
 - `--serving-http`: its Poisson workloads in process and through the OpenAI-compatible server on
   127.0.0.1 (a subprocess): tokens/s, TTFT and ITL side by side, the HTTP layer's cost.
 - `--serving-http --data-parallel-size N`: instead, one replica against N behind SGLang's router
-  (smg) under cache_aware and round_robin: the Poisson workloads and a shared-prefix one, with
-  each server's prefix-cache hit rate.
+  (smg) under cache_aware and round_robin: the Poisson workloads, a shared-prefix one (again on
+  caches that hold half its system prompts) and a saturating one, with each server's
+  prefix-cache hit rate.
 - `--spec`: speculative decoding: the mechanics at a forced acceptance of 0, 0.5, 0.7, 0.9 by
   batch size (tokens/s against plain decoding, against issue 55's targets), and prompt lookup on
   the demo model's Python.
