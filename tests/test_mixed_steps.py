@@ -221,3 +221,14 @@ def test_a_small_backlog_goes_in_over_several_steps():
     assert DRAIN_STEPS == 8
     for prompt_len, prefill_tokens in ((500, 500 // 8), (100, 128 // 8), (2000, 128 * 14 // 16)):
         assert mixed_step_after(2, prompt_len).num_tokens == [1, 1, prefill_tokens]
+
+
+def test_the_backlog_counts_the_sequences_that_could_take_a_seat_soon():
+    """The backlog walks at most max_num_seqs waiting sequences (a bounded cost a step, however
+    many wait); more decode rows than seats (a limit lowered at run time) leave the floor."""
+    params = SamplingParams(max_tokens=100, ignore_eos=True)
+    sched = Scheduler(BlockManager(256, 16, False), max_num_seqs=2,
+                      max_num_batched_tokens=256, max_num_mixed_tokens=128)
+    sched.waiting.extend(Sequence(i, list(range(400)), params, 16) for i in range(5))
+    assert sched.prefill_budget(0) == 2 * 400 // DRAIN_STEPS  # not 5 x 400: the seat rule's 128
+    assert sched.prefill_budget(3) == 128 // 16

@@ -24,7 +24,8 @@ it. A nearly empty batch (a burst arriving) fills fast, and filling it is what r
 throughput; in a full batch a new prompt only takes the seat of one that finished, so
 prefilling it faster would gain nothing, and small chunks keep the gaps between tokens even
 (docs/performance.md has the measurements). And the prefill part takes at most a DRAIN_STEPS-th
-of the prompt tokens waiting (the backlog), but never less than an eighth of
+of the prompt tokens waiting (the backlog: those of the first `max_num_seqs` sequences in
+`waiting`, the ones that could take a seat soon), but never less than an eighth of
 `max_num_mixed_tokens`. A burst's backlog is large and leaves the seat rule in charge; under a
 steady stream of requests the backlog is a prompt or two, which then goes in small chunks over
 several steps, instead of one long step now and then: the gaps between tokens stay even.
@@ -63,6 +64,7 @@ Speculative decoding (spec/) replaces the scheduler with a subclass that overrid
 step is scheduled.
 """
 from collections import Counter, deque
+from itertools import islice
 from dataclasses import dataclass, field
 
 from nanograph.engine.block_manager import BlockManager
@@ -132,11 +134,13 @@ class Scheduler:
         """A mixed step's prefill tokens: `max_num_mixed_tokens` by the share of free seats,
         at least a sixteenth of it; and a DRAIN_STEPS-th of the prompt tokens waiting, at least
         an eighth of `max_num_mixed_tokens` (see above)."""
-        free_seats = max(self.max_num_seqs - num_decodes, 0)
-        by_seats = max(self.max_num_mixed_tokens * free_seats // self.max_num_seqs,
-                       self.max_num_mixed_tokens // 16)
-        backlog = sum(len(seq) - seq.num_computed_tokens for seq in self.waiting)
-        return min(by_seats, max(backlog // DRAIN_STEPS, self.max_num_mixed_tokens // 8))
+        budget = self.max_num_mixed_tokens
+        free_seats = self.max_num_seqs - num_decodes  # (< 0 if the limit was lowered: the floor)
+        by_seats = max(budget * free_seats // self.max_num_seqs, budget // 16)
+        # (the sequences that could take a seat soon: a bounded walk, whatever waits)
+        backlog = sum(len(seq) - seq.num_computed_tokens
+                      for seq in islice(self.waiting, self.max_num_seqs))
+        return min(by_seats, max(backlog // DRAIN_STEPS, budget // 8))
 
     def schedule_decodes(self):
         """Every running sequence, each with room for one more token (preempting for it)."""
@@ -176,11 +180,9 @@ class Scheduler:
 
     def can_admit(self, seq: Sequence):
         """Room for `seq`: a seat, the slots table's say, blocks."""
-        if len(self.running) >= self.max_num_seqs:
-            return False
-        if self.slots is not None and not self.slots.can_admit(seq, self.running):
-            return False
-        return seq.num_blocks <= self.block_manager.num_free_blocks
+        return (len(self.running) < self.max_num_seqs
+                and (self.slots is None or self.slots.can_admit(seq, self.running))
+                and seq.num_blocks <= self.block_manager.num_free_blocks)
 
     def account(self, batch: Batch):
         """Treat `batch` as computed: the slots table's say, counters advanced, a placeholder for
