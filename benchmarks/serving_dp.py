@@ -54,6 +54,7 @@ from benchmarks.serving import (FULL, QUICK, ServingResult, ServingRun, drive, p
                                 poisson_runs, ratio, serving_knobs, warmup_run)
 from benchmarks.serving_http import HttpClient, ServerProcess, run_http, tokenized_model_dir
 from benchmarks.workloads import Workload, make_workload
+from nanograph.config import Config
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,7 @@ def shared_prefix_run(setup: Setup, sizes: SharedPrefix, seed: int = 2) -> Servi
     return ServingRun(name, workload, 512, poisson_arrivals(len(prompts), sizes.rate))
 
 
-HEADROOM_BLOCKS = 16  # the contrast's cache beside the system prompts: the running requests'
+HEADROOM_BLOCKS = 16  # the contrast's cache beyond the system prompts: the running requests
 
 
 def contrast_blocks(sizes: SharedPrefix, block_size: int) -> int:
@@ -118,7 +119,8 @@ def contrast_run(setup: Setup, sizes: SharedPrefix) -> ServingRun:
     """The shared-prefix workload with every request at t=0 (tokens/s then measures the work
     the caches save, not the arrival rate)."""
     run = shared_prefix_run(setup, sizes)
-    return dataclasses.replace(run, name=f"{run.name}, at once", arrivals=[0.0] * len(run.arrivals))
+    return dataclasses.replace(run, name=f"{run.name}, at once",
+                               arrivals=[0.0] * len(run.arrivals))
 
 
 def salted(run: ServingRun, salt: int) -> ServingRun:
@@ -261,13 +263,13 @@ def section_data_parallel(setup: Setup) -> dict:
         replicas = size if flags else 1
         rows[name], startup[name] = run_server(setup, knobs, name, flags, replicas, runs)
         print(f"  {name}: ready {startup[name]:.1f} s after its start", flush=True)
-    blocks = contrast_blocks(shared, knobs.get("kvcache_block_size", 256))
+    blocks = contrast_blocks(shared, knobs.get("kvcache_block_size", Config.kvcache_block_size))
     small_cache = knobs | {"num_kvcache_blocks": blocks}
+    at_once = contrast_run(setup, shared)
     for name, flags in policies.items():
-        contrast[name], _ = run_server(setup, small_cache, name, flags, size,
-                                       [contrast_run(setup, shared)])
+        contrast[name], _ = run_server(setup, small_cache, name, flags, size, [at_once])
     print_replicas(runs, rows)
-    print_contrast(contrast_run(setup, shared), contrast, blocks)
+    print_contrast(at_once, contrast, blocks)
     targets = judge(runs, rows, contrast, size)
     full_cuda = not quick and setup.device == "cuda"
     for what, met in targets:

@@ -166,41 +166,46 @@ class HttpClient:
         return bool(self.streams)
 
     async def read(self, key: int, body: dict) -> None:
-        """One request's stream, on the event loop: an event when it is sent (0 tokens), one per
-        chunk with text, then its end."""
-        tokens, error, writer = 0, None, None
+        """One request, on the event loop: an event when it is sent (0 tokens), one per chunk
+        with text (a stream) or one with every token (a response), then its end."""
+        error, writer = None, None
         self.events.put((key, 0, time.perf_counter()))
         try:
             reader, writer, length = await self.post("/v1/completions", body)
-            if not self.stream:  # (a router may send the JSON chunked)
-                body = await (reader.readexactly(length) if length is not None
-                              else chunked_body(reader))
-                completion = json.loads(body)
-                self.events.put((key, completion["usage"]["completion_tokens"],
-                                 time.perf_counter()))
-                self.idle.append((reader, writer, time.monotonic()))
-                self.events.put((key, None, None))
-                return
-            if length is not None:
-                raise RuntimeError("a stream without chunked encoding")
-            async for line in events(reader):
-                when = time.perf_counter()
-                chunk = json.loads(line)
-                if "error" in chunk:
-                    raise RuntimeError(chunk["error"]["message"])
-                if chunk["choices"] and chunk["choices"][0]["text"]:
-                    tokens += 1
-                    self.events.put((key, tokens, when))
-                counted = chunk.get("usage", {}).get("completion_tokens", tokens)
-                if counted != tokens:
-                    raise RuntimeError(f"{tokens} chunks with text, {counted} tokens")
-            await reader.readuntil(b"\r\n0\r\n\r\n")  # the chunked body's end: free again
-            self.idle.append((reader, writer, time.monotonic()))
+            await (self.read_stream(key, reader, length) if self.stream
+                   else self.read_response(key, reader, length))
+            self.idle.append((reader, writer, time.monotonic()))  # read to its end: free again
         except Exception as e:  # (not a cancellation: close's)
             error = e
             if writer is not None:
                 writer.close()
         self.events.put((key, None, error))
+
+    async def read_stream(self, key: int, reader: asyncio.StreamReader, length: int | None):
+        """A chunked SSE body: an event per chunk with text; its tokens checked against the
+        usage count."""
+        if length is not None:
+            raise RuntimeError("a stream without chunked encoding")
+        tokens = 0
+        async for line in events(reader):
+            when = time.perf_counter()
+            chunk = json.loads(line)
+            if "error" in chunk:
+                raise RuntimeError(chunk["error"]["message"])
+            if chunk["choices"] and chunk["choices"][0]["text"]:
+                tokens += 1
+                self.events.put((key, tokens, when))
+            counted = chunk.get("usage", {}).get("completion_tokens", tokens)
+            if counted != tokens:
+                raise RuntimeError(f"{tokens} chunks with text, {counted} tokens")
+        await reader.readuntil(b"\r\n0\r\n\r\n")  # the chunked body's end
+
+    async def read_response(self, key: int, reader: asyncio.StreamReader, length: int | None):
+        """One JSON body, of a known length or chunked (as a router may send it): one event
+        with its usage count."""
+        body = await (reader.readexactly(length) if length is not None else chunked_body(reader))
+        completion = json.loads(body)
+        self.events.put((key, completion["usage"]["completion_tokens"], time.perf_counter()))
 
     async def post(self, path: str, body: dict):
         """Send a POST; read its status line and headers. The connection's (reader, writer),

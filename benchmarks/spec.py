@@ -16,9 +16,10 @@ tokens are not the model's (accepted drafts are random), so there is no "same to
 drafts at every batch size (as (a)'s first rule): acceptance, speedup (the fastest of three
 runs each), and how many sequences came out exactly as plain decoding's. In float32 every one
 does (tests/test_spec_engine.py); in bf16 a verify step computes its rows with the prefill
-kernels, a plain step with the decode kernels, and a near-tie can break the other way. Prompt lookup; and the demo model drafting for itself (a draft
-model as costly as its target: near-full acceptance, and the price of the draft engine's steps,
-an upper bound on its overhead rather than a gain). The demo model drafting for a larger dummy
+kernels, a plain step with the decode kernels, and a near-tie can break the other way. The
+drafters: prompt lookup; and the demo model drafting for itself (a draft model as costly as its
+target: near-full acceptance, and the price of the draft engine's steps, an upper bound on its
+overhead rather than a gain). The demo model drafting for a larger dummy
 target is not meaningful (a dummy target accepts nothing), so not measured.
 """
 import time

@@ -64,13 +64,13 @@ Speculative decoding (spec/) replaces the scheduler with a subclass that overrid
 step is scheduled.
 """
 from collections import Counter, deque
-from itertools import islice
 from dataclasses import dataclass, field
+from itertools import islice
 
 from nanograph.engine.block_manager import BlockManager
 from nanograph.engine.sequence import Sequence, Status
 
-DRAIN_STEPS = 8  # a mixed step prefills at most this share of the backlog (see above)
+DRAIN_STEPS = 8  # a mixed step prefills at most 1 / DRAIN_STEPS of the backlog (see above)
 
 
 @dataclass
@@ -135,7 +135,7 @@ class Scheduler:
         at least a sixteenth of it; and a DRAIN_STEPS-th of the prompt tokens waiting, at least
         an eighth of `max_num_mixed_tokens` (see above)."""
         budget = self.max_num_mixed_tokens
-        free_seats = self.max_num_seqs - num_decodes  # (< 0 if the limit was lowered: the floor)
+        free_seats = self.max_num_seqs - num_decodes  # (< 0 under a lowered limit: the floor)
         by_seats = max(budget * free_seats // self.max_num_seqs, budget // 16)
         # (the sequences that could take a seat soon: a bounded walk, whatever waits)
         backlog = sum(len(seq) - seq.num_computed_tokens

@@ -8,7 +8,9 @@ q [tokens, Hq, D], the caches [blocks, block_size, Hkv, D], `inputs` the part's
   included: a decode-only step is paged_decode.py's (one kernel at small batch); a step with
   prefill chunks rotates and stores every token in one launch (kv_store.py), then the decode
   kernel attends the decode rows and paged_prefill.py the chunks, each writing its rows of one
-  output. A mixed step so costs the decode step one launch more a layer, not three.
+  output. The chunks' kernel has few programs and is latency-bound, the decode rows' kernel
+  fills the GPU and is bandwidth-bound: on CUDA the first runs on a second stream, beside the
+  second (`on_a_side_stream`), so a short chunk hides in the decode rows' time.
 - `flash_attn`: flash-attn's varlen prefill and `flash_attn_with_kvcache` decode, reading the
   cache through the same block tables (it needs 256-token blocks and a cache of the model's
   dtype: `check_flash_attn`). An optional package: imported when the backend runs.
@@ -36,7 +38,6 @@ def triton_attention(q, k, v, positions, md: StepMetadata, rotary: tuple, k_cach
                                       v_cache, decode.block_tables, decode.context_lens, scale)
     q = rotate_and_store(q, k, v, positions, *rotary, k_cache, v_cache, md.slot_mapping)
     out = torch.empty_like(q)
-    # The chunks' kernel has a few programs, the decode rows' fill the GPU: one beside the other
     with on_a_side_stream(q.device) as join_side_stream:
         paged_prefill_attention(q[num_decodes:], k_cache, v_cache, prefill.cu_seqlens_q,
                                 prefill.context_lens, prefill.block_tables,
