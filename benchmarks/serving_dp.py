@@ -9,7 +9,8 @@ and stopped:
 Every server has the serving section's knobs (`serving_knobs`) with prefix caching on. From each
 run: tokens/s, TTFT and ITL as serving.py defines them, and the prefix-cache hit rate: the
 replicas' prompt tokens found in their caches over their prompt tokens (each replica's /metrics,
-read before and after the run; smg's /workers lists them).
+read before and after the run; smg's /workers lists them), and the busiest replica's share of
+the prompt tokens (how evenly the router spread the work).
 
 The workloads:
 - serving.py's Poisson runs (4, 16, 64 req/s; --quick: 10, 40). The lowest rate shows the
@@ -24,8 +25,11 @@ The workloads:
   replica keeps under cache_aware, plus room for the running requests), every request at t=0.
   (Under LRU eviction and requests in random order, round_robin's hit rate then falls to about
   the cache's share of the system prompts, and cache_aware's stays at (users - 1) / users.)
-- saturation: 1,024 requests at once (prompts of 64-256 tokens, exactly 128 new tokens each):
+- saturation: 1,024 requests at once (prompts of 64-256 tokens, exactly 512 new tokens each):
   two full waves of 512 seats on one replica, one on each of two, and equal lengths, so no tail.
+  Long enough that the burst's start counts little: smg takes about a second to pass 1,024 new
+  connections on, and with 128 new tokens a request (a run of 4 s on two replicas) that second
+  moved the same run from 1.3x to 2.2x one replica's tokens/s.
   Not streamed (`HttpClient(stream=False)`): one JSON response a request, so that the client's
   one thread, reading tens of thousands of chunks a second, is not what is measured; its rows
   have tokens/s and no token times.
@@ -81,7 +85,7 @@ class Saturation:
     output_len: int
 
 
-FULL_SATURATION = Saturation(1024, (64, 256), 128)  # two waves of 512 seats on one replica
+FULL_SATURATION = Saturation(1024, (64, 256), 512)  # two waves of 512 seats on one replica
 QUICK_SATURATION = Saturation(16, (8, 24), 4)
 
 
@@ -148,10 +152,11 @@ def wait_for_workers(server: ServerProcess, replicas: int, seconds: float = 60.0
         time.sleep(0.1)
 
 
-def cache_counters(urls: list[str]) -> tuple[float, float]:
-    """(prompt tokens found in the prefix cache, prompt tokens) summed over the replicas."""
-    hits = prompt = 0.0
+def cache_counters(urls: list[str]) -> list[tuple[float, float]]:
+    """Each replica's (prompt tokens found in its prefix cache, prompt tokens)."""
+    counters = []
     for url in urls:
+        hits = prompt = 0.0
         for line in urllib.request.urlopen(url + "/metrics").read().decode().splitlines():
             labelled_name, _, value = line.partition(" ")
             name = labelled_name.partition("{")[0]  # (each is labelled with the model's name)
@@ -159,7 +164,8 @@ def cache_counters(urls: list[str]) -> tuple[float, float]:
                 hits += float(value)
             elif name == "nanograph:prompt_tokens_total":
                 prompt += float(value)
-    return hits, prompt
+        counters.append((hits, prompt))
+    return counters
 
 
 @dataclass
@@ -168,9 +174,20 @@ class ReplicasResult:
     server: str
     result: ServingResult
     hit_rate: float | None
+    busiest_share: float | None  # the busiest replica's share of the prompt tokens
+
+    @classmethod
+    def of(cls, server: str, result: ServingResult, before: list, after: list):
+        """The row, from each replica's cache counters before and after the run."""
+        hits = [hits_after - hits_before
+                for (hits_after, _), (hits_before, _) in zip(after, before)]
+        prompt = [prompt_after - prompt_before
+                  for (_, prompt_after), (_, prompt_before) in zip(after, before)]
+        return cls(server, result, ratio(sum(hits), sum(prompt)), ratio(max(prompt), sum(prompt)))
 
     def to_dict(self) -> dict:
-        return {"server": self.server, **self.result.to_dict(), "hit_rate": self.hit_rate}
+        return {"server": self.server, **self.result.to_dict(), "hit_rate": self.hit_rate,
+                "busiest_share": self.busiest_share}
 
 
 def run_server(setup: Setup, knobs: dict, server_name: str, flags: list[str], replicas: int,
@@ -187,11 +204,9 @@ def run_server(setup: Setup, knobs: dict, server_name: str, flags: list[str], re
         urls = replica_urls(server, replicas)
         rows = []
         for salt, run in enumerate(runs, start=1):
-            hits, prompt = cache_counters(urls)
+            before = cache_counters(urls)
             result = run_http(streams if run.streamed else responses, salted(run, salt))
-            new_hits, new_prompt = cache_counters(urls)
-            rows.append(ReplicasResult(server_name, result,
-                                       ratio(new_hits - hits, new_prompt - prompt)))
+            rows.append(ReplicasResult.of(server_name, result, before, cache_counters(urls)))
     return rows, server.startup_seconds
 
 
@@ -206,22 +221,25 @@ def print_replicas(runs: list[ServingRun], rows: dict[str, list[ReplicasResult]]
                        if run.streamed else ["-"] * 4)  # (one response: no token times)
             table.append([run.name, server, f"{r.tokens_per_s:,.0f}", *latency,
                           cell(results[i].hit_rate, ".3f"),
+                          cell(results[i].busiest_share, ".2f"),
                           cell(ratio(r.tokens_per_s, base.tokens_per_s), ".2f", "x"),
                           cell(ratio(r.itl_p99, base.itl_p99), ".3f", "x")
                           if run.streamed else "-"])
     print_table("Data parallel over HTTP: one replica, and replicas behind smg under two "
                 "policies; the same requests (prompts as text), prefix caching on; ms",
                 ["workload", "server", "tok/s", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99",
-                 "prefix hit rate", "tok/s vs 1", "ITL p99 vs 1"], table)
+                 "prefix hit rate", "busiest replica", "tok/s vs 1", "ITL p99 vs 1"], table)
 
 
 def print_contrast(run: ServingRun, rows: dict[str, list[ReplicasResult]], blocks: int) -> None:
     print_table(f"The shared prefix with a cache that holds half the system prompts: "
                 f"{blocks} KV blocks a replica, every request at t=0; ms",
-                ["workload", "server", "tok/s", "TTFT p50", "TTFT p99", "prefix hit rate"],
+                ["workload", "server", "tok/s", "TTFT p50", "TTFT p99", "prefix hit rate",
+                 "busiest replica"],
                 [[run.name, server, f"{r.result.tokens_per_s:,.0f}",
                   cell(ms(r.result.ttft_p50), ".1f"), cell(ms(r.result.ttft_p99), ".1f"),
-                  cell(r.hit_rate, ".3f")] for server, (r,) in rows.items()])
+                  cell(r.hit_rate, ".3f"), cell(r.busiest_share, ".2f")]
+                 for server, (r,) in rows.items()])
 
 
 def judge(runs: list[ServingRun], rows: dict[str, list[ReplicasResult]],

@@ -482,6 +482,16 @@ def test_the_shared_prefix_contrast_caches_half_the_system_prompts(tmp_path):
     assert run.workload == shared.workload and run.arrivals == [0.0] * len(shared.arrivals)
 
 
+def test_a_replicas_row_reads_each_replicas_counters():
+    """A row's hit rate is the replicas' hits over their prompt tokens in the run; the busiest
+    share, the largest replica's part of those prompt tokens."""
+    before = [(10.0, 100.0), (0.0, 50.0)]   # (prefix-cache hit tokens, prompt tokens) each
+    after = [(70.0, 400.0), (30.0, 150.0)]  # this run: (60, 300) and (30, 100)
+    row = serving_dp.ReplicasResult.of("2 replicas", None, before, after)
+    assert row.hit_rate == pytest.approx(90 / 400)
+    assert row.busiest_share == pytest.approx(300 / 400)
+
+
 def test_the_http_target_is_itl_p99_and_ttft_p50():
     """At most 1.2x the in-process ITL p99, and TTFT p50 within two in-process steps."""
     local = SimpleNamespace(itl_p99=1.0, ttft_p50=5.0, step_p50=1.0)
