@@ -10,7 +10,9 @@ timing, so every sequence sits on consecutive blocks of its own and attends to w
 """
 from contextlib import contextmanager
 
-from benchmarks.timing import seconds_per_call
+import torch
+
+from benchmarks.timing import is_cuda, seconds_per_call
 
 BLOCK_SIZE = 256  # the engine's default kvcache_block_size
 
@@ -51,9 +53,26 @@ def decode_step(batch: int, context_len: int, block_size: int, lora_slots: list[
     )
 
 
+def paced_run(runner, step, device: str):
+    """A callable that runs `step` on `runner` as the engine's loop does, at most one step ahead
+    of the GPU. A run refills one of the runner's two host mirrors of the step inputs
+    (engine/step.py, StepBuffers), which the copy of the run before the last may still be
+    reading until that run is done (and would read mid-fill: padding, block tables of -1): so
+    each call waits for the previous call's run, as the engine collects step N while N + 1 runs."""
+    pending = []  # the last run's event
+
+    def run():
+        runner.run(step)
+        if is_cuda(device):
+            pending.append(torch.cuda.current_stream().record_event())
+            if len(pending) > 1:
+                pending.pop(0).synchronize()
+    return run
+
+
 def time_forward(runner, step, device: str, iters: int) -> float:
     """Seconds per `runner.run(step)` (forward, LM head, sampling), after 3 untimed ones."""
-    return seconds_per_call(lambda: runner.run(step), device, iters, warmup=3)
+    return seconds_per_call(paced_run(runner, step, device), device, iters, warmup=3)
 
 
 @contextmanager

@@ -22,7 +22,7 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.runner import decode_engine_args, decode_step
+from benchmarks.runner import decode_engine_args, decode_step, paced_run
 from benchmarks.shapes import BENCH_SHAPES, SHAPES, write_model_dir
 from nanograph import LLM
 
@@ -62,8 +62,9 @@ if __name__ == "__main__":
         llm = LLM(write_model_dir(args.shape, d), load_format="dummy",
                   max_model_len=max(4096, args.context), **engine_args)
     step = decode_step(args.batch, args.context, llm.runner.block_size)
+    warm_up = paced_run(llm.runner, step, "cuda")
     for _ in range(5):
-        llm.runner.run(step)
+        warm_up()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(REPLAYS):
