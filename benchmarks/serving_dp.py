@@ -27,9 +27,8 @@ The workloads:
   the cache's share of the system prompts, and cache_aware's stays at (users - 1) / users.)
 - saturation: 1,024 requests at once (prompts of 64-256 tokens, exactly 512 new tokens each):
   two full waves of 512 seats on one replica, one on each of two, and equal lengths, so no tail.
-  Long enough that the burst's start counts little: smg takes about a second to pass 1,024 new
-  connections on, and with 128 new tokens a request (a run of 4 s on two replicas) that second
-  moved the same run from 1.3x to 2.2x one replica's tokens/s.
+  Long enough that the burst's start counts little: smg passes 1,024 new connections on over
+  a second or so, which in a run of a few seconds decides the ratio (docs/experiments.md).
   Not streamed (`HttpClient(stream=False)`): one JSON response a request, so that the client's
   one thread, reading tens of thousands of chunks a second, is not what is measured; its rows
   have tokens/s and no token times.

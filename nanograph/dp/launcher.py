@@ -41,8 +41,8 @@ ROUTER_POLICIES = ["cache_aware", "round_robin", "prefix_hash", "random"]
 # the replicas end their streams at once, and smg would otherwise wait on for seconds after that.
 # cache_aware sends a request away from the replica that holds its prefix once that replica's
 # requests in flight exceed the mean by 16 and by 10% (smg's defaults, 64 and 50%, let a burst
-# of prompts that share prefixes leave one of two replicas 56% of the work, the other idle at
-# the end): the replicas are identical, and a recomputed prefix costs less than an idle GPU
+# of prompts that share prefixes leave one replica the larger part, the other idle at the end):
+# the replicas are identical, and a recomputed prefix costs less than an idle GPU
 ROUTER_FLAGS = ["--health-check-interval-secs", "2", "--shutdown-grace-period-secs", "1",
                 "--balance-abs-threshold", "16", "--balance-rel-threshold", "1.1",
                 "--disable-tokenizer-autoload", "--log-level", "warn"]
