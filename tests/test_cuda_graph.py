@@ -1,13 +1,15 @@
 """The graph machinery: ladders, bucket lookup, static-buffer filling and padding, stats (CPU);
 graphs against eager end to end (GPU)."""
 import gc
+from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from nanograph.engine.cuda_graph import (MIXED_PREFILL_CHUNKS, GraphStats, bucket_ladder, decode_shape, find_bucket,
-                                         mixed_grid, mixed_shape)
-from nanograph.engine.step import StepBuffers, StepInput
+from nanograph.engine.cuda_graph import (MIXED_PREFILL_CHUNKS, CudaGraphRunner, GraphStats, bucket_ladder,
+                                         decode_shape, find_bucket, mixed_grid, mixed_shape)
+from nanograph.engine.step import StepBuffers, StepInput, StepShape
 
 
 def test_ladder():
@@ -92,6 +94,21 @@ def test_mixed_grid_stays_within_the_budget():
     # 129-256 decode rows leave at most 127 prefill tokens; 1 decode row leaves 255
     assert (256, 128) in grid and (256, 256) not in grid and (1, 256) in grid
     assert len(grid) == 3 * 9 - 1
+
+
+def test_a_mixed_step_of_any_variant_runs_on_the_last_variants_mixed_graph(monkeypatch):
+    """Decode graphs come in every variant, mixed graphs in variant 0 and the last (LoRA: the
+    largest rank bucket), which runs a mixed step of any other variant."""
+    monkeypatch.setattr(CudaGraphRunner, "capture", lambda self, forward, buffers: None)
+    config = SimpleNamespace(cuda_graph_max_bs=None, cuda_graph_sizes=[1, 2, 4, 8], max_num_seqs=8,
+                             attention_backend="triton", max_num_mixed_tokens=64)
+    graphs = CudaGraphRunner(config, forward=None, buffers=None, variants=(8, 16))
+    mixed = StepShape(decodes=3, prefill_tokens=40, chunks=2, rows=5, max_chunk=30)
+    assert graphs.lookup(mixed) == mixed_shape(4, 64)
+    assert graphs.lookup(replace(mixed, variant=8)) == graphs.lookup(replace(mixed, variant=16)) \
+        == mixed_shape(4, 64, variant=16)
+    assert graphs.lookup(decode_shape(3, variant=8)) == decode_shape(4, variant=8)
+    assert graphs.stats.eager.total() == 0
 
 
 def test_stats_arithmetic():

@@ -97,7 +97,6 @@ def test_fold_gives_the_consumers_h_before_its_norm(tiny_model, adapters):
     assert len(extension.folds) == 2 * len(llm.runner.model.model.layers) - 1
     # a step of 3 rows on slot 1, through the torch path
     extension.adapters.slots, extension.adapters.rank = torch.ones(rows, dtype=torch.int32), rank
-    extension.adapters.decode_only = False
     try:
         for producer, consumer, norm in extension.folds:
             x = torch.randn(rows, producer.weight.shape[1], generator=gen)
@@ -172,20 +171,25 @@ def test_bad_lora_input_is_a_clear_error_and_the_engine_stays_usable(tiny_model,
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 def test_mixed_batch_matches_peft_with_graphs(tiny_model, adapters, family):
-    """Decode batches shrink from 11 (eager) through the buckets [1, 2, 4, 8], in rank buckets 8
-    and 16, down to the longest request alone on an adapter of all seven projections: the cuBLAS
-    path (its shrink on a side stream) in and out of graphs, and the GEMV's."""
+    """A first prefill of 128 tokens (eager), then the other prompts join the decoding ones in
+    mixed steps, on the mixed graphs of the largest rank bucket; decode batches shrink through
+    the buckets [1, 2, 4, 8], in rank buckets 8 and 16, down to the longest request alone on an
+    adapter of all seven projections: the BGMV kernels in and out of graphs, and the GEMV's."""
     path, reqs = tiny_model(family), adapters(family)
     prompts = random_prompts([5 + 4 * i for i in range(11)], seed=15)
     loras = ([None, reqs["mlp4"], reqs["all16"], reqs["qv8"]] * 3)[:11]
     params = [SamplingParams(temperature=0, max_tokens=4 + 3 * i, ignore_eos=True) for i in range(11)]
     with LLM(path, kvcache_block_size=16, enable_lora=True, max_loras=3, max_lora_rank=16, dtype="float32",
-             cuda_graph_sizes=[1, 2, 4, 8], max_num_mixed_tokens=64) as llm:
+             cuda_graph_sizes=[1, 2, 4, 8], max_num_mixed_tokens=64, max_num_batched_tokens=128) as llm:
         outs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
         stats = llm.stats()
+        mixed_with_adapters = sum(count for shape, count in llm.runner.graphs.stats.replays.items()
+                                  if shape.prefill_tokens and shape.variant == 16)
     expected = [peft_greedy(path, r, p, sp.max_tokens) for r, p, sp in zip(loras, prompts, params)]
     assert [o["token_ids"] for o in outs] == expected
-    # the decode ladder by rank 0, 8, 16, and the base model's mixed grid
-    assert stats["graph_variants"] == [8, 16] and stats["num_graphs"] == 12 + len(stats["mixed_graph_grid"])
+    # the decode ladder by rank 0, 8, 16, and the mixed grid by rank 0 and 16 (the largest)
+    assert stats["graph_variants"] == [8, 16]
+    assert stats["num_graphs"] == 12 + 2 * len(stats["mixed_graph_grid"])
+    assert mixed_with_adapters > 0
     assert len(stats["replays_per_variant"]) >= 3 and stats["replays_per_variant"]["1x16"] > 0
-    assert 0 < stats["graph_hit_rate"] < 1
+    assert stats["graph_hit_rate"] == stats["mixed_graph_hit_rate"] == 1  # (the first step: prefill)

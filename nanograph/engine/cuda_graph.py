@@ -37,8 +37,9 @@ Which graphs. Keys are (decode rows d, prefill tokens p, variant):
   `max_num_seqs` is well below it), and a larger decode bucket needs only the smaller prefill
   buckets, which keeps the grid to about three times the decode ladder. The prefill kernel's grid
   comes from p, never from the live chunks. Only each chunk's last token (and each decode row) goes
-  through the LM head and the sampler. Mixed graphs run variant 0 only (a step of another variant
-  runs eagerly), and only with the triton attention backend (the others size prefill attention on
+  through the LM head and the sampler. Mixed graphs come in two variants only, 0 and the last
+  (an extension lists its variants so that the last can run a step of any other: LoRA's largest
+  rank bucket), and only with the triton attention backend (the others size prefill attention on
   the host).
 An extension may add graphs of prefill-only shapes of its own (model_runner.py; spec/'s verify
 steps): a prefill-only step runs on the smallest of them that holds it, if any.
@@ -102,9 +103,10 @@ def decode_shape(d: int, variant=0) -> StepShape:
     return StepShape(decodes=d, rows=d, variant=variant)
 
 
-def mixed_shape(d: int, p: int) -> StepShape:
+def mixed_shape(d: int, p: int, variant=0) -> StepShape:
     chunks = MIXED_PREFILL_CHUNKS
-    return StepShape(decodes=d, prefill_tokens=p, chunks=chunks, rows=d + chunks, max_chunk=p)
+    return StepShape(decodes=d, prefill_tokens=p, chunks=chunks, rows=d + chunks, max_chunk=p,
+                     variant=variant)
 
 
 def holds(bucket: StepShape, step: StepShape) -> bool:
@@ -171,10 +173,10 @@ class CudaGraphRunner:
     def capture(self, forward, buffers: StepBuffers):
         start, pool = time.perf_counter(), torch.cuda.graph_pool_handle()
         torch.cuda.synchronize()
-        reserved, allocated = torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
-        reserved_before = reserved
+        reserved_before = torch.cuda.memory_reserved()
         shapes = [decode_shape(d, variant) for d in self.ladder for variant in self.variants]
-        shapes += [mixed_shape(d, p) for d, p in self.grid] + self.prefill_shapes
+        shapes += [mixed_shape(d, p, variant) for d, p in self.grid
+                   for variant in {0, self.variants[-1]}] + self.prefill_shapes
         # largest first
         shapes.sort(key=lambda shape: (shape.tokens, shape.decodes, shape.variant), reverse=True)
         for i, shape in enumerate(tqdm(shapes, desc="Capturing CUDA graphs", leave=False)):
@@ -186,20 +188,13 @@ class CudaGraphRunner:
             with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                 forward(shape)
             self.graphs[shape] = graph
-            now_reserved, now_allocated = torch.cuda.memory_reserved(), \
-                torch.cuda.memory_allocated()
-            log.debug(f"graph {i + 1}/{len(shapes)}: {shape.decodes} decode rows + "
-                      f"{shape.prefill_tokens} prefill tokens, variant {shape.variant} | pool "
-                      f"reserved {now_reserved / 2**20:.1f} MiB "
-                      f"(+{(now_reserved - reserved) / 2**20:.1f}), "
-                      f"allocated {now_allocated / 2**20:.1f} MiB "
-                      f"(+{(now_allocated - allocated) / 2**20:.1f})")
-            reserved, allocated = now_reserved, now_allocated
+            log.debug(f"graph {i + 1}/{len(shapes)}: {shape}, the pool now "
+                      f"{torch.cuda.memory_reserved() / 2**20:.1f} MiB")
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - start
         self.graph_memory_bytes = torch.cuda.memory_reserved() - reserved_before
-        log.info(f"captured {len(shapes)} CUDA graphs ({len(self.grid)} mixed) in "
-                 f"{self.capture_seconds:.1f} s, {self.graph_memory_bytes / 2**20:.1f} MiB")
+        log.info(f"captured {len(shapes)} CUDA graphs in {self.capture_seconds:.1f} s, "
+                 f"{self.graph_memory_bytes / 2**20:.1f} MiB")
 
     def close(self):
         """Destroy the graphs now, whoever still holds this runner. NCCL counts every graph that
@@ -213,12 +208,12 @@ class CudaGraphRunner:
         bucket = None
         if not step.prefill_tokens and (d := find_bucket(self.ladder, step.decodes)) is not None:
             bucket = decode_shape(d, step.variant)
-        elif step.decodes and not step.variant and step.chunks <= MIXED_PREFILL_CHUNKS:
+        elif step.decodes and step.chunks <= MIXED_PREFILL_CHUNKS:
             # the grid runs by decode bucket, then prefill bucket, and a larger decode bucket has
             # only the smaller prefill buckets: the first pair that holds the step is the smallest
             fits = [(d, p) for d, p in self.grid if d >= step.decodes and p >= step.prefill_tokens]
             if fits and step.rows <= fits[0][0] + MIXED_PREFILL_CHUNKS:
-                bucket = mixed_shape(*fits[0])
+                bucket = mixed_shape(*fits[0], step.variant and self.variants[-1])
         elif not step.decodes:
             bucket = next((shape for shape in self.prefill_shapes if holds(shape, step)), None)
         if bucket is None:

@@ -26,7 +26,7 @@ the rank's share by an extension installed first, and the smallest rank's block 
 Extensions (`RunnerExtension`, handed in by llm.py) change the runner from outside at four
 points: `install` swaps modules into the model once its weights are loaded (before the cache
 is sized and the graphs captured); `step_fields` and `graph_variants` add fields to the static
-buffers and variants to the decode graphs, `graph_shapes` graphs of its own steps' shapes and
+buffers and variants to the graphs (cuda_graph.py), `graph_shapes` graphs of its own steps' shapes and
 `max_rows` the sampling rows they need; `before_step` runs on the host before a step's inputs
 go up; `bind` runs inside `forward`, so inside every captured graph, and hands an extension its
 views of the buffers. The runner calls them there and knows nothing else of them.
@@ -53,7 +53,7 @@ PROMPT_LOGPROB_ROWS = 512  # prompt tokens scored at once (a [rows, vocab] float
 class RunnerExtension:
     """What an extension adds to the runner (see above); each hook here does nothing."""
     step_fields: dict[str, tuple[str, int]] = {}  # more buffer fields: name -> (per, padding)
-    graph_variants: tuple[int, ...] = ()  # the decode graphs are captured again for each
+    graph_variants: tuple[int, ...] = ()  # graphs captured again for each (cuda_graph.py)
     graph_shapes: tuple[StepShape, ...] = ()  # more graphs, for prefill-only shapes
     max_rows: int = 0  # the most sampling rows its steps have
 

@@ -29,7 +29,8 @@ class LoRA:
         if graphs is None:
             return {}
         replays = {f"{shape.decodes}x{shape.variant}": count
-                   for shape, count in graphs.stats.replays.items() if shape.variant}
+                   for shape, count in graphs.stats.replays.items()
+                   if shape.variant and not shape.prefill_tokens}
         return {"graph_variants": list(self.runner_extension.graph_variants),
                 "replays_per_variant": dict(sorted(replays.items()))}
 

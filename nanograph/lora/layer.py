@@ -17,12 +17,13 @@ Each row of a step names its slot (-1: the base model), and the step's rank is a
 (slots.py); all LoRA layers read them from one `StepAdapters`, bound by the runner before each
 forward. A step without adapters has rank 0: the wrapper is then the base layer. The delta
 `y += (x A^T) B^T` of each row is computed
-- on CUDA in decode by the BGMV kernels (kernels/bgmv.py): each row gathers its own slot's
-  weights; capturable, so each (batch, rank) bucket has its own graph. The shrink makes
-  h = x A^T, the expand adds B h to the product in place. The batch-1 chain (fast/) calls the
-  shrink itself and hands h to its GEMV, which adds the delta (`shrink`, `gemv_lora`);
-- otherwise (prefill chunks, the CPU) in plain torch, every slot over all rows, each row keeping
-  its own slot's delta (no host sync, no index lists): the oracle.
+- on CUDA by the BGMV kernels (kernels/bgmv.py), decode rows and prefill chunks alike: each
+  row gathers its own slot's weights; capturable, so each (batch, rank) bucket has its own
+  graph. The shrink makes h = x A^T, the expand adds B h to the product in place. The batch-1
+  chain (fast/) calls the shrink itself and hands h to its GEMV, which adds the delta
+  (`shrink`, `gemv_lora`);
+- on the CPU in plain torch, every slot over all rows, each row keeping its own slot's delta
+  (no host sync, no index lists): the oracle.
 
 Folds: half the shrinks, and the norms stay deferred. On the batch-1 chain a decode step is a
 chain of dependent kernels, each costing about a microsecond of latency, and four shrinks per
@@ -55,7 +56,6 @@ class StepAdapters:
     """The current step's adapters, as every LoRA layer reads them (runner.py binds them)."""
     slots: torch.Tensor | None = None  # [tokens] int32: each token's adapter slot, -1 = none
     rank: int = 0                      # the step's rank bucket, 0 = no adapters
-    decode_only: bool = True           # no prefill chunks in the step
 
 
 class LoRALinear(nn.Module):
@@ -95,7 +95,7 @@ class LoRALinear(nn.Module):
 
     def add_delta(self, x, y):
         """y += each row's delta, in place."""
-        if x.is_cuda and self.adapters.decode_only:
+        if x.is_cuda:
             from nanograph.kernels.bgmv import lora_expand
             h, _ = self.shrink(x)
             lora_expand(y, *self.gemv_lora(h))

@@ -6,7 +6,8 @@ tensor-parallel rank:
   (layer.py), all sharing one `StepAdapters`, and sizes a fold's producer for its consumer;
 - `step_fields`: one more field of the static step buffers, each token's adapter slot (-1 in
   padding), so a captured graph reads the slots of the step it replays;
-- `graph_variants`: the rank buckets, a set of decode graphs each;
+- `graph_variants`: the rank buckets, a set of decode graphs each, and the largest a set of mixed
+  graphs too (engine/cuda_graph.py: a mixed step of any rank runs on them);
 - `before_step` loads the step's new adapters into their slots (in stream order, so after any
   step in flight that still reads the slot's old adapter) and spreads each sequence's slot
   over its tokens;
@@ -60,4 +61,3 @@ class LoRARunnerExtension(RunnerExtension):
     def bind(self, inputs, shape):
         self.adapters.slots = inputs["lora_slots"]
         self.adapters.rank = shape.variant
-        self.adapters.decode_only = shape.prefill_tokens == 0

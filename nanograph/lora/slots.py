@@ -10,8 +10,9 @@ use more adapters than that. This table is handed to the scheduler (engine/sched
   itself runs on the GPU in stream order (the runner's `before_step`), after any step in flight
   that still reads the old adapter.
 A step's rank is the smallest rank bucket that holds all its adapters: its graph variant (one
-set of decode graphs per bucket, engine/cuda_graph.py). A step without adapters is variant 0,
-the base model's: no LoRA work at all.
+set of decode graphs per bucket; a step with prefill chunks runs on the largest bucket's mixed
+graphs, engine/cuda_graph.py). A step without adapters is variant 0, the base model's: no LoRA
+work at all.
 """
 from collections import OrderedDict
 from dataclasses import dataclass, field
