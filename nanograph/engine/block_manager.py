@@ -11,9 +11,9 @@ against collisions). A sequence with a LoRA adapter starts its chain from a hash
 instead of 0: its K/V differ from the base model's for the same tokens, so they share nothing.
 A new sequence walks its full prompt blocks and shares every registered block it finds
 (ref_count += 1) instead of recomputing it; one that asks for its prompt's logprobs takes no hits
-(a cached block has K/V but no logits), so its prompt is computed whole. Blocks are registered after the step
-that computes them, never at allocation: a chunked prefill must not lend out a block whose K/V
-is still garbage.
+(a cached block has K/V but no logits), so its prompt is computed whole. Blocks are registered
+after the step that computes them, never at allocation: a chunked prefill must not lend out a
+block whose K/V is still garbage.
 
 Freed blocks (ref_count 0) keep their hash and contents: they sit in the free queue as a cache
 and are reused by hits until they are handed out again. The queue is LRU: blocks are taken from

@@ -49,9 +49,9 @@ what the graphs cost and buy. Every tensor-parallel rank computes the same graph
 config and picks the same one for a step, as its collectives require.
 
 Inside a graph the sampler runs too (layers/sampler.py): the sampled ids stay in the runner's
-buffer, where the next step resolves its placeholders. What runs outside: filling the host mirror and its copy, the
-copy of the ids back to the host, and only where a row asks for them, top-k / top-p, the
-min_tokens mask and logprobs, on the graph's logits (model_runner.py).
+buffer, where the next step resolves its placeholders. What runs outside: filling the host mirror
+and its copy, the copy of the ids back to the host, and only where a row asks for them, top-k /
+top-p, the min_tokens mask and logprobs, on the graph's logits (model_runner.py).
 """
 import logging
 import time
@@ -213,7 +213,9 @@ class CudaGraphRunner:
             # only the smaller prefill buckets: the first pair that holds the step is the smallest
             fits = [(d, p) for d, p in self.grid if d >= step.decodes and p >= step.prefill_tokens]
             if fits and step.rows <= fits[0][0] + MIXED_PREFILL_CHUNKS:
-                bucket = mixed_shape(*fits[0], step.variant and self.variants[-1])
+                # a step of any variant but 0 runs on the last variant's graph (see above)
+                variant = self.variants[-1] if step.variant else 0
+                bucket = mixed_shape(*fits[0], variant=variant)
         elif not step.decodes:
             bucket = next((shape for shape in self.prefill_shapes if holds(shape, step)), None)
         if bucket is None:

@@ -23,13 +23,13 @@ Attention holding views into it. Its size comes from memory: on CUDA, what is le
 Tensor parallelism (engine/tp.py) runs a subclass on each rank: its own GPU, the model cut into
 the rank's share by an extension installed first, and the smallest rank's block count.
 
-Extensions (`RunnerExtension`, handed in by llm.py) change the runner from outside at four
-points: `install` swaps modules into the model once its weights are loaded (before the cache
-is sized and the graphs captured); `step_fields` and `graph_variants` add fields to the static
-buffers and variants to the graphs (cuda_graph.py), `graph_shapes` graphs of its own steps' shapes and
-`max_rows` the sampling rows they need; `before_step` runs on the host before a step's inputs
-go up; `bind` runs inside `forward`, so inside every captured graph, and hands an extension its
-views of the buffers. The runner calls them there and knows nothing else of them.
+Extensions (`RunnerExtension`, handed in by llm.py) change the runner from outside at four points:
+`install` swaps modules into the model once its weights are loaded (before the cache is sized and
+the graphs captured); `step_fields` and `graph_variants` add fields to the static buffers and
+variants to the graphs (cuda_graph.py), `graph_shapes` graphs of its own steps' shapes and
+`max_rows` the sampling rows they need; `before_step` runs on the host before a step's inputs go up;
+`bind` runs inside `forward`, so inside every captured graph, and hands an extension its views of
+the buffers. The runner calls them there and knows nothing else of them.
 """
 import math
 from dataclasses import dataclass
@@ -231,8 +231,8 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, step: StepInput):
         """The logits [rows, vocab] and sampled ids [rows] of the step's sampling rows (the ids
-        stay in `self.sampled` for the next step's placeholders), and its prompt logprobs when asked. Every tensor-parallel
-        rank runs this and samples the same ids."""
+        stay in `self.sampled` for the next step's placeholders), and its prompt logprobs when
+        asked. Every tensor-parallel rank runs this and samples the same ids."""
         extra_values = {}
         for extension in self.extensions:
             extra_values |= extension.before_step(step)
@@ -286,7 +286,8 @@ class ModelRunner:
         logits, sampled, prompt_logprobs = self.run(step)
         logprobs = None
         if step.num_logprobs is not None:
-            logprobs = Logprobs(*map(to_host, top_logprobs(logits, sampled, max(step.num_logprobs))))
+            top = top_logprobs(logits, sampled, max(step.num_logprobs))
+            logprobs = Logprobs(*map(to_host, top))
         if prompt_logprobs is not None:
             prompt_logprobs = Logprobs(*map(to_host, prompt_logprobs))
         sampled = to_host(sampled)

@@ -213,7 +213,8 @@ class StepBuffers:
         place_rows(host["cu_seqlens_q"], chunk_offsets, pad=chunk_offsets[-1])
         tables = host["block_tables"]
         tables[:] = -1  # past each table, and the padded sequences' (never read)
-        decode_tables, chunk_tables = step.block_tables[:num_decodes], step.block_tables[num_decodes:]
+        decode_tables = step.block_tables[:num_decodes]
+        chunk_tables = step.block_tables[num_decodes:]
         for part, start in ((decode_tables, 0), (chunk_tables, shape.decodes)):
             if part:
                 tables[start:start + len(part), :len(part[0])] = part
