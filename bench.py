@@ -35,7 +35,7 @@ reference run. benchmarks/<section>.py has its code and says why its figures com
   prefix-cache hit rate.
 - `--spec`: speculative decoding: the mechanics at a forced acceptance of 0, 0.5, 0.7, 0.9 by
   batch size (tokens/s against plain decoding, against issue 55's targets), and prompt lookup on
-  the demo model's Python.
+  the demo model's Python; `--spec-batches 1` for the batch-1 cells alone.
 - `--kv-bandwidth`: the split-KV decode kernel alone on the shape's attention: achieved K/V
   bytes a second at batch 64/256/512 and context 512/1k/4k, a cache of the model's dtype and an
   fp8 one, against the measured copy bandwidth (issue 54's target beside its row).
@@ -159,6 +159,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="every sequence of the workload asks for its top-N logprobs")
     p.add_argument("--mixed-budgets", type=lambda t: [int(b) for b in t.split(",")],
                    help="--serving: rerun its targeted workloads under these max_num_mixed_tokens")
+    p.add_argument("--spec-batches", type=lambda t: [int(b) for b in t.split(",")],
+                   help="--spec: these batch sizes only (default 1,4,16,64; 1,4 with --quick)")
     p.add_argument("--sweep-max-bs", type=int,
                    help="largest decode-sweep batch (default 256, 8 with --quick)")
     p.add_argument("--sweep-context-len", type=int,

@@ -189,7 +189,7 @@ def demo_drafts(setup: Setup, batches, new_tokens) -> list[dict]:
 
 def section_spec(setup: Setup) -> dict:
     quick = setup.args.quick
-    batches = (1, 4) if quick else BATCHES
+    batches = setup.args.spec_batches or ((1, 4) if quick else BATCHES)
     acceptances = (0.0, 0.7) if quick else ACCEPTANCES
     prompt_len, new_tokens = (8, 12) if quick else (PROMPT_LEN, NEW_TOKENS)
     return {"mechanics": mechanics(setup, batches, acceptances, prompt_len, new_tokens),

@@ -74,3 +74,20 @@ def test_bench_mechanics_run_at_the_set_acceptance(tmp_path):
     assert runs[1.0]["accepted_tokens"] == runs[1.0]["draft_tokens"] > 0
     assert runs[0.7]["verifies"] > 100
     assert abs(runs[0.7]["measured_acceptance"] - 0.7) < 0.1
+
+
+def test_bench_spec_batches_picks_the_batch_sizes(tmp_path):
+    """bench.py --spec --spec-batches 1: both parts of the section measure batch 1 only (a cheap
+    call for the batch-1 targets), where --quick alone measures 1 and 4."""
+    import os
+    import sys
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from bench import parse_args
+    from benchmarks.harness import build_setup
+    from benchmarks.spec import section_spec
+
+    args = parse_args(["--quick", "--device", "cpu", "--spec", "--spec-batches", "1"])
+    section = section_spec(build_setup(args, str(tmp_path), "qwen3-0.6b"))
+    assert {row["batch"] for row in section["mechanics"]} == {1}
+    assert {row["batch"] for row in section["demo_drafts"]} == {1}
+    assert section["mechanics"][0]["plain_tok_s"] > 0
