@@ -60,22 +60,34 @@ def make_inputs(gen, num_rows, k, part_sizes, max_rank, rank, dtype, poison_past
     return x, y, lora_a.to(dtype), lora_b.to(dtype), slots
 
 
-def lora_bgmv(x, y, lora_a, lora_b, slots, starts, rank):
+def lora_bgmv(x, y, lora_a, lora_b, slots, starts, rank, rows_per_program=1):
     """The cuBLAS path's delta: shrink, then expand into y."""
     from nanograph.kernels.bgmv import lora_expand, lora_shrink
-    lora_expand(y, lora_shrink(x, lora_a, slots, rank), lora_b, slots, starts)
+    h = lora_shrink(x, lora_a, slots, rank, rows_per_program=rows_per_program)
+    lora_expand(y, h, lora_b, slots, starts, rows_per_program)
 
 
-def check_lora_bgmv(device, dtype, num_rows, k, part_sizes, max_rank, rank, seed=0, poison_past_rank=False):
+# a prefill step's slots: runs of one adapter (a chunk each), base-model chunks between them
+PREFILL_SLOTS = [-1] * 3 + [0] * 7 + [2] * 9 + [-1] * 2 + [1] * 5 + [0] * 11
+
+
+def check_lora_bgmv(device, dtype, num_rows, k, part_sizes, max_rank, rank, seed=0, poison_past_rank=False,
+                    rows_per_program=1, slot_list=None):
+    """Against the oracle; with rows_per_program > 1 also bit for bit against one row a program."""
     gen = torch.Generator().manual_seed(seed + num_rows * 1000 + k)
     x, y, lora_a, lora_b, slots = make_inputs(gen, num_rows, k, part_sizes, max_rank, rank, dtype, poison_past_rank)
+    if slot_list is not None:
+        slots = torch.tensor(slot_list, dtype=torch.int32)
     starts = starts_of(part_sizes)
     ref = reference(x, y, lora_a, lora_b, slots, starts, rank)
-    out = torch.zeros(num_rows, y.shape[1] + 5, dtype=dtype, device=device)[:, :y.shape[1]]  # strided, as y
-    out.copy_(y)
-    lora_bgmv(x.to(device), out, lora_a.to(device), lora_b.to(device), slots.to(device), starts, rank)
-    out = out.cpu()
-    assert_close_delta(out, ref, y, slots, dtype)
+    outs = []
+    for rows in sorted({1, rows_per_program}):
+        out = torch.zeros(num_rows, y.shape[1] + 5, dtype=dtype, device=device)[:, :y.shape[1]]  # strided, as y
+        out.copy_(y)
+        lora_bgmv(x.to(device), out, lora_a.to(device), lora_b.to(device), slots.to(device), starts, rank, rows)
+        outs.append(out.cpu())
+    assert_close_delta(outs[-1], ref, y, slots, dtype)
+    assert torch.equal(outs[0], outs[-1])
 
 
 def assert_close_delta(out, ref, y, slots, dtype):
@@ -206,6 +218,16 @@ def test_lora_bgmv_cuda_graph_replay():
             assert_close_delta(y.cpu(), ref, new_y, new_slots, torch.bfloat16)
 
 
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("slot_list", [None, PREFILL_SLOTS * 8])
+def test_lora_bgmv_rows_per_program(slot_list):
+    """A prefill step's rows, 16 a program: each program gathers an adapter's weights once for its
+    rows of that adapter (random slots: a gather nearly every row)."""
+    check_lora_bgmv("cuda", torch.bfloat16, 296, 1024, (2048, 1024, 1024), 64, 16, poison_past_rank=True,
+                    rows_per_program=16, slot_list=slot_list)
+
+
 # ---------------------------------------------------------------- interpreter (CPU) tests
 
 
@@ -223,6 +245,16 @@ def test_lora_bgmv_interpreter(dtype, num_rows, k, part_sizes):
                                                   (40, (24,), None)])
 def test_gemv_lora_interpreter(num_rows, tensor_cores, k, part_sizes, deferred):
     check_gemv_lora("cpu", torch.float32, num_rows, k, part_sizes, deferred, tensor_cores=tensor_cores)
+
+
+@requires_interpreter
+@pytest.mark.parametrize("rows_per_program", [4, 16])
+@pytest.mark.parametrize("slot_list", [None, PREFILL_SLOTS])
+def test_lora_bgmv_rows_per_program_interpreter(rows_per_program, slot_list):
+    """Several rows a program (the last program's rows past the step's end), adapters changing and
+    rows without one inside a program, NaN past the rank bucket."""
+    check_lora_bgmv("cpu", torch.float32, 37, 72, (40, 17, 23), 16, 8, poison_past_rank=True,
+                    rows_per_program=rows_per_program, slot_list=slot_list)
 
 
 @requires_interpreter

@@ -26,9 +26,17 @@ adapters does not pay for `max_lora_rank` = 64. Columns between an adapter's own
 bucket are zeros, add 0.
 
 Rows without an adapter (slot -1: base-model requests, and the padding rows of a graph bucket)
-read no adapter weights (their masks are empty) and return right after the PDL wait: their h
+read no adapter weights (their masks are empty) and are skipped after the PDL wait: their h
 stays unwritten (the products mask it by slot too) and y keeps its bits. Each program waits
-even when it returns, so the chain's ordering holds. Nothing on the host depends on the slots:
+even when it has nothing to do, so the chain's ordering holds.
+
+Rows per program. In decode every row is another sequence, often of another adapter, and a
+program takes one row: the most programs, the shortest chain. A prefill chunk's tokens all use
+their sequence's adapter, and a program per token would gather the same tiles once per token
+(at rank 64, about 3 MB of A and B a token and layer on Qwen3-0.6B, from L2). So in a step
+with prefill chunks a program takes ROWS consecutive rows (lora/layer.py's PREFILL_ROWS) and
+gathers a tile again only where the adapter changes. A row's arithmetic does not depend on
+ROWS, so neither does its result. Nothing on the host depends on the slots:
 the grid comes from static shapes (T, N, K, rank), which makes both kernels capturable in a CUDA
 graph and replayable with new slots. Both join the PDL chain (pdl.py): the slot and the adapter
 weights are loaded before the wait; x, h and y after it.
@@ -49,52 +57,66 @@ NUM_WARPS = 4
 
 
 @triton.jit
-def _shrink_kernel(x_ptr, residual_ptr, a_ptr, h_ptr, slots_ptr, K, RES_K,
+def _shrink_kernel(x_ptr, residual_ptr, a_ptr, h_ptr, slots_ptr, T, K, RES_K,
                    stride_xt, stride_rt, stride_as, stride_ap, stride_ar,
                    RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                   PDL: tl.constexpr):
-    """h[t, p, r] = A[slot, p, r, :] . x[t] for BLOCK_R ranks r of row t, part p. With RES_K > 0
-    the row is [x[t] | residual[t]], K + RES_K columns (a fold, lora/layer.py; the A of
-    the layer's own parts is zero past K)."""
-    t = tl.program_id(0)
+                   ROWS: tl.constexpr, PDL: tl.constexpr):
+    """h[t, p, r] = A[slot, p, r, :] . x[t] for BLOCK_R ranks r of part p, for ROWS rows t from
+    the program's first. With RES_K > 0 a row is [x[t] | residual[t]], K + RES_K columns (a
+    fold, lora/layer.py; the A of the layer's own parts is zero past K)."""
+    first = tl.program_id(0) * ROWS
     p = tl.program_id(1)
     ranks = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_K)
-    slot = tl.load(slots_ptr + t).to(tl.int64)
+    a_rows = a_ptr + p * stride_ap + ranks[:, None] * stride_ar + cols[None, :]
+    in_k = cols[None, :] < K + RES_K
+    slot = tl.load(slots_ptr + first).to(tl.int64)
     # no ranks at all without an adapter
-    mask = (ranks[:, None] < RANK * (slot >= 0)) & (cols[None, :] < K + RES_K)
-    a = tl.load(a_ptr + slot * stride_as + p * stride_ap + ranks[:, None] * stride_ar
-                + cols[None, :], mask=mask, other=0.0)
+    a = tl.load(a_rows + slot * stride_as, mask=(ranks[:, None] < RANK * (slot >= 0)) & in_k,
+                other=0.0)
     wait_for_previous_kernel(PDL)
-    if slot < 0:
-        return
-    x = tl.load(x_ptr + t * stride_xt + cols, mask=cols < K, other=0.0)
-    x += tl.load(residual_ptr + t * stride_rt + cols - K, mask=(cols >= K) & (cols < K + RES_K),
-                 other=0.0)
-    h = tl.sum(a.to(tl.float32) * x.to(tl.float32)[None, :], 1)
-    tl.store(h_ptr + (t * tl.num_programs(1) + p) * RANK + ranks, h, mask=ranks < RANK)
+    for i in range(ROWS):
+        t = first + i
+        row_slot = tl.load(slots_ptr + t, mask=t < T, other=-1).to(tl.int64)
+        if row_slot >= 0:  # (a row without an adapter does nothing)
+            if row_slot != slot:  # another adapter: its tile replaces the last
+                slot = row_slot
+                a = tl.load(a_rows + slot * stride_as, mask=(ranks[:, None] < RANK) & in_k,
+                            other=0.0)
+            x = tl.load(x_ptr + t * stride_xt + cols, mask=cols < K, other=0.0)
+            x += tl.load(residual_ptr + t * stride_rt + cols - K,
+                         mask=(cols >= K) & (cols < K + RES_K), other=0.0)
+            h = tl.sum(a.to(tl.float32) * x.to(tl.float32)[None, :], 1)
+            tl.store(h_ptr + (t * tl.num_programs(1) + p) * RANK + ranks, h, mask=ranks < RANK)
 
 
 @triton.jit
-def _expand_kernel(h_ptr, b_ptr, slots_ptr, y_ptr, N, stride_ht, stride_bs, stride_bn, stride_yt,
+def _expand_kernel(h_ptr, b_ptr, slots_ptr, y_ptr, T, N, stride_ht, stride_bs, stride_bn, stride_yt,
                    PART_STARTS: tl.constexpr, RANK: tl.constexpr, RANK_PAD: tl.constexpr,
-                   BLOCK_N: tl.constexpr, PDL: tl.constexpr):
-    """y[t, o] += B[slot, o, :RANK] . h[t, part(o)] for BLOCK_N outputs o of row t."""
-    t = tl.program_id(0)
+                   BLOCK_N: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr):
+    """y[t, o] += B[slot, o, :RANK] . h[t, part(o)] for BLOCK_N outputs o, for ROWS rows t from
+    the program's first."""
+    first = tl.program_id(0) * ROWS
     outs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    slot = tl.load(slots_ptr + t).to(tl.int64)
+    slot = tl.load(slots_ptr + first).to(tl.int64)
     b = lora_b_tile(b_ptr, slot, outs, N, stride_bs, stride_bn, RANK, RANK_PAD)
     wait_for_previous_kernel(PDL)
-    if slot < 0:
-        return
-    h = lora_h_tile(h_ptr + t * stride_ht, slot, outs, PART_STARTS, RANK, RANK_PAD)
-    delta = tl.sum(b.to(tl.float32) * h, 1)
-    y = tl.load(y_ptr + t * stride_yt + outs, mask=outs < N)
-    tl.store(y_ptr + t * stride_yt + outs, (y.to(tl.float32) + delta).to(y.dtype), mask=outs < N)
+    for i in range(ROWS):
+        t = first + i
+        row_slot = tl.load(slots_ptr + t, mask=t < T, other=-1).to(tl.int64)
+        if row_slot >= 0:  # (a row without an adapter keeps its bits)
+            if row_slot != slot:  # another adapter: its tile replaces the last
+                slot = row_slot
+                b = lora_b_tile(b_ptr, slot, outs, N, stride_bs, stride_bn, RANK, RANK_PAD)
+            h = lora_h_tile(h_ptr + t * stride_ht, slot, outs, PART_STARTS, RANK, RANK_PAD)
+            delta = tl.sum(b.to(tl.float32) * h, 1)
+            y = tl.load(y_ptr + t * stride_yt + outs, mask=outs < N)
+            tl.store(y_ptr + t * stride_yt + outs, (y.to(tl.float32) + delta).to(y.dtype),
+                     mask=outs < N)
 
 
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor, rank: int,
-                residual: torch.Tensor | None = None) -> torch.Tensor:
+                residual: torch.Tensor | None = None, rows_per_program: int = 1) -> torch.Tensor:
     """h [T, P, rank] float32, h[t, p] = lora_a[s, p, :rank] x[t] with s = token_slots[t] (rows
     with slot -1 are left unwritten). x: [T, K]; lora_a: [S, P, R, K (+ residual's width)];
     token_slots: [T] int32; 1 <= rank <= R: only the first `rank` rank columns are read (one
@@ -108,16 +130,17 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor
     block_k = triton.next_power_of_2(k + res_k)
     block_r = max(1, min(triton.next_power_of_2(rank), SHRINK_TILE // block_k))
     r = x if residual is None else residual
-    _shrink_kernel[(num_rows, lora_a.shape[1], triton.cdiv(rank, block_r))](
-        x, r, lora_a, h, token_slots, k, res_k,
+    grid = (triton.cdiv(num_rows, rows_per_program), lora_a.shape[1], triton.cdiv(rank, block_r))
+    _shrink_kernel[grid](
+        x, r, lora_a, h, token_slots, num_rows, k, res_k,
         x.stride(0), r.stride(0), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
-        RANK=rank, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=NUM_WARPS,
+        RANK=rank, BLOCK_R=block_r, BLOCK_K=block_k, ROWS=rows_per_program, num_warps=NUM_WARPS,
         **launch_options(x.device))
     return h
 
 
 def lora_expand(y: torch.Tensor, h: torch.Tensor, lora_b: torch.Tensor, token_slots: torch.Tensor,
-                part_starts: tuple[int, ...]) -> None:
+                part_starts: tuple[int, ...], rows_per_program: int = 1) -> None:
     """In place: y[t, o] += lora_b[s, o, :rank] h[t, part(o)] for every row t with s =
     token_slots[t] >= 0 (rows with -1 are left untouched). y: [T, N]; h: [T, P, rank]
     (lora_shrink's); lora_b: [S, N, R] (scaling folded in); part_starts: P ints, where each
@@ -127,7 +150,8 @@ def lora_expand(y: torch.Tensor, h: torch.Tensor, lora_b: torch.Tensor, token_sl
     assert y.stride(-1) == lora_b.stride(-1) == 1 and h.shape[:2] == (num_rows, len(part_starts))
     rank_pad = triton.next_power_of_2(rank)
     block_n = max(1, min(EXPAND_TILE // rank_pad, triton.next_power_of_2(n)))
-    _expand_kernel[(num_rows, triton.cdiv(n, block_n))](
-        h, lora_b, token_slots, y, n, h.stride(0), lora_b.stride(0), lora_b.stride(1), y.stride(0),
+    _expand_kernel[(triton.cdiv(num_rows, rows_per_program), triton.cdiv(n, block_n))](
+        h, lora_b, token_slots, y, num_rows, n,
+        h.stride(0), lora_b.stride(0), lora_b.stride(1), y.stride(0),
         PART_STARTS=tuple(part_starts), RANK=rank, RANK_PAD=rank_pad, BLOCK_N=block_n,
-        num_warps=NUM_WARPS, **launch_options(y.device))
+        ROWS=rows_per_program, num_warps=NUM_WARPS, **launch_options(y.device))

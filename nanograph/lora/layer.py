@@ -50,12 +50,15 @@ from torch import nn
 from nanograph.layers.linear import Linear
 from nanograph.lora.adapter import Adapter, adapter_weights
 
+PREFILL_ROWS = 16  # rows a BGMV program takes in a step with prefill chunks (kernels/bgmv.py)
+
 
 @dataclass
 class StepAdapters:
     """The current step's adapters, as every LoRA layer reads them (runner.py binds them)."""
     slots: torch.Tensor | None = None  # [tokens] int32: each token's adapter slot, -1 = none
     rank: int = 0                      # the step's rank bucket, 0 = no adapters
+    rows_per_program: int = 1          # a BGMV program's rows: PREFILL_ROWS with prefill chunks
 
 
 class LoRALinear(nn.Module):
@@ -98,7 +101,7 @@ class LoRALinear(nn.Module):
         if x.is_cuda:
             from nanograph.kernels.bgmv import lora_expand
             h, _ = self.shrink(x)
-            lora_expand(y, *self.gemv_lora(h))
+            lora_expand(y, *self.gemv_lora(h), self.adapters.rows_per_program)
             return
         rank, slots = self.adapters.rank, self.adapters.slots
         own_parts = len(self.part_starts)
@@ -121,7 +124,7 @@ class LoRALinear(nn.Module):
         fold = residual is not None and self.lora_a.shape[1] > own_parts
         a = self.lora_a if fold else self.lora_a[:, :own_parts, :, :x.shape[1]]
         h = lora_shrink(x, a, self.adapters.slots, self.adapters.rank,
-                        residual if fold else None)
+                        residual if fold else None, self.adapters.rows_per_program)
         return h[:, :own_parts], (h[:, own_parts:] if fold else None)
 
     def gemv_lora(self, h):

@@ -15,7 +15,8 @@ tensor-parallel rank:
 """
 from nanograph.engine.model_runner import RunnerExtension
 from nanograph.layers.linear import Linear
-from nanograph.lora.layer import LoRALinear, StepAdapters, fold_triples, load_adapter
+from nanograph.lora.layer import (PREFILL_ROWS, LoRALinear, StepAdapters, fold_triples,
+                                  load_adapter)
 from nanograph.lora.slots import rank_buckets
 
 
@@ -61,3 +62,4 @@ class LoRARunnerExtension(RunnerExtension):
     def bind(self, inputs, shape):
         self.adapters.slots = inputs["lora_slots"]
         self.adapters.rank = shape.variant
+        self.adapters.rows_per_program = PREFILL_ROWS if shape.prefill_tokens else 1
