@@ -4,7 +4,8 @@
 prompt lookup guess nothing, so the speculative engine's acceptance is decided by the bench
 (spec_acceptance.py): random drafts, each accepted with the set probability, the engine doing
 exactly a real run's work at that acceptance. For each batch size the plain engine times the
-prompts (plain tokens/s); then the speculative engine (k = SPEC_K) times them at each acceptance
+prompts (plain tokens/s; at batch sizes under MIN_SEQUENCES several batches in turn, so that a
+cell holds enough draft trials); then the speculative engine (k = SPEC_K) times them at each acceptance
 under two switch-off rules: drafts at every batch size (the mechanics: where drafts stop
 paying), and the default rule a user gets (`SpeculativeConfig.disable_by_batch_size`; the
 per-sequence backoff is on in both). Both are one engine, built with drafts allowed at every
@@ -34,6 +35,10 @@ from benchmarks.timing import synchronize
 SPEC_K = 4
 ACCEPTANCES = (0.0, 0.5, 0.7, 0.9)
 BATCHES = (1, 4, 16, 64)
+# a cell times at least this many sequences, small batches one batch after another: a batch-1
+# run of 128 tokens is only about 50 verifies, whose share of plain steps (backoff) and tokens
+# a verify swings from seed to seed as much as a few points of acceptance would
+MIN_SEQUENCES = 8
 PROMPT_LEN, NEW_TOKENS = 128, 128
 DEMO = Path(__file__).resolve().parents[1] / "nanograph" / "pretrained" / "pycoder"
 DEMO_PROMPTS = [
@@ -84,15 +89,27 @@ def spec_counts(llm) -> tuple[int, int, int]:
                  for name in ("drafts", "draft_tokens", "accepted_tokens"))
 
 
-def time_forced(spec, prompts, params, device, acceptance: float,
+def cell_batches(prompts: list, batch: int) -> list[list]:
+    """The batches a cell times, one after another: MIN_SEQUENCES sequences or one batch."""
+    count = max(1, min(MIN_SEQUENCES, len(prompts)) // batch)
+    return [prompts[i * batch:(i + 1) * batch] for i in range(count)]
+
+
+def timed_batches(llm, batches: list[list], params, device) -> tuple[int, float]:
+    """(tokens, seconds) of one timed generate per batch."""
+    runs = [timed_generate(llm, prompts, params, device) for prompts in batches]
+    return sum(len(ids) for outs, _ in runs for ids in outs), sum(seconds for _, seconds in runs)
+
+
+def time_forced(spec, batches: list[list], params, device, acceptance: float,
                 disable_by_batch_size: int) -> dict:
-    """One timed generate of `prompts` at the set acceptance under the switch-off rule."""
+    """`batches` timed at the set acceptance under the switch-off rule."""
     spec.spec.config.disable_by_batch_size = disable_by_batch_size
-    force_acceptance(spec, acceptance, seed=len(prompts))
+    force_acceptance(spec, acceptance, seed=len(batches[0]))
     before = spec_counts(spec)
-    outs, seconds = timed_generate(spec, prompts, params, device)
+    tokens, seconds = timed_batches(spec, batches, params, device)
     verifies, drafted, accepted = (b - a for a, b in zip(before, spec_counts(spec)))
-    return {"seconds": seconds, "tok_s": sum(map(len, outs)) / seconds, "verifies": verifies,
+    return {"seconds": seconds, "tok_s": tokens / seconds, "verifies": verifies,
             "draft_tokens": drafted, "accepted_tokens": accepted,
             "measured_acceptance": implied_acceptance(accepted, drafted, verifies),
             "accepted_length": 1 + accepted / verifies if verifies else None}
@@ -106,26 +123,27 @@ def mechanics(setup: Setup, batches, acceptances, prompt_len, new_tokens) -> lis
     knobs = dict(max_model_len=prompt_len + new_tokens + SPEC_K + 1)
     plain = setup.llm(**knobs)
     timed_generate(plain, prompts[:max(batches)], params, setup.device)  # warm-up
-    plain_seconds = {batch: timed_generate(plain, prompts[:batch], params, setup.device)[1]
-                     for batch in batches}
+    plain_runs = {batch: timed_batches(plain, cell_batches(prompts, batch), params, setup.device)
+                  for batch in batches}
     plain.close()
     every_batch = max(batches)
     default_rule = SpeculativeConfig(num_speculative_tokens=SPEC_K).disable_by_batch_size
     spec = setup.llm(**knobs, speculative_config={"method": "ngram", "num_speculative_tokens":
                                                   SPEC_K, "disable_by_batch_size": every_batch})
     for rule in sorted({every_batch, default_rule}):  # warm-up
-        time_forced(spec, prompts[:every_batch], params, setup.device, 0.7, rule)
+        time_forced(spec, [prompts[:every_batch]], params, setup.device, 0.7, rule)
     rows = []
     for batch in batches:
         for acceptance in acceptances:
-            run = (prompts[:batch], params, setup.device, acceptance)
+            run = (cell_batches(prompts, batch), params, setup.device, acceptance)
             on = time_forced(spec, *run, every_batch)
             default = on if batch <= default_rule else time_forced(spec, *run, default_rule)
+            plain_tokens, plain_seconds = plain_runs[batch]
             rows.append({"batch": batch, "acceptance": acceptance,
-                         "plain_tok_s": batch * new_tokens / plain_seconds[batch],
+                         "plain_tok_s": plain_tokens / plain_seconds,
                          "every_batch": on, "default_rule": default,
-                         "speedup": plain_seconds[batch] / on["seconds"],
-                         "default_speedup": plain_seconds[batch] / default["seconds"]})
+                         "speedup": plain_seconds / on["seconds"],
+                         "default_speedup": plain_seconds / default["seconds"]})
     spec.close()
     print_mechanics(rows, setup, prompt_len, new_tokens, default_rule)
     return rows

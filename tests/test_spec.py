@@ -59,7 +59,7 @@ def test_bench_mechanics_run_at_the_set_acceptance(tmp_path):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from bench import parse_args
     from benchmarks.harness import build_setup
-    from benchmarks.spec import SPEC_K, time_forced
+    from benchmarks.spec import MIN_SEQUENCES, SPEC_K, cell_batches, time_forced
     from nanograph import SamplingParams
 
     setup = build_setup(parse_args(["--quick", "--device", "cpu", "--spec"]), str(tmp_path),
@@ -67,13 +67,16 @@ def test_bench_mechanics_run_at_the_set_acceptance(tmp_path):
     prompts = [prompt[:8] for prompt in setup.workload.prompts]
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     spec = setup.llm(max_model_len=80, speculative_config={"num_speculative_tokens": SPEC_K})
-    runs = {acceptance: time_forced(spec, prompts, params, "cpu", acceptance,
+    runs = {acceptance: time_forced(spec, [prompts], params, "cpu", acceptance,
                                     disable_by_batch_size=len(prompts))
             for acceptance in (1.0, 0.7)}
     spec.close()
     assert runs[1.0]["accepted_tokens"] == runs[1.0]["draft_tokens"] > 0
     assert runs[0.7]["verifies"] > 100
     assert abs(runs[0.7]["measured_acceptance"] - 0.7) < 0.1
+    # a batch-1 cell times MIN_SEQUENCES different prompts, one after another
+    assert cell_batches(prompts, 1) == [[prompt] for prompt in prompts[:MIN_SEQUENCES]]
+    assert cell_batches(prompts, 64) == [prompts[:64]]
 
 
 def test_bench_spec_batches_picks_the_batch_sizes(tmp_path):

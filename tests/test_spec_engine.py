@@ -132,8 +132,9 @@ def test_rollback_keeps_only_accepted_tokens_in_block_tables_and_prefix_cache():
 
 def test_the_switch_off_rule():
     """No drafts above `disable_by_batch_size` decode rows or beside prefill chunks; a sequence
-    whose drafts miss backs off (1, 2, 4, ... steps); one whose last token is in flight is
-    drafted from the tokens before it, the guess of that token dropped."""
+    whose drafts miss backs off from its second miss in a row (0, 1, 2, 4, ... steps) until a
+    draft is accepted; a lookup that finds nothing is no miss; one whose last token is in flight
+    is drafted from the tokens before it, the guess of that token dropped."""
     config = SpeculativeConfig.parse(NGRAM | {"disable_by_batch_size": 2}, block_size=16)
     drafter = NgramDrafter(config)
     params = SamplingParams()
@@ -152,15 +153,24 @@ def test_the_switch_off_rule():
 
     verified_with([5, 3, 9])
     assert drafter.num_accepted_tokens == 2 and drafter.num_draft_tokens == 4
-    waits = []
-    for _ in range(3):
-        verified_with([7])  # the first draft rejected: a miss
-        seqs[0].token_ids = [3, 4, 5, 3, 4]
-        waits.append(0)
-        while drafter.propose(seqs[:1], []) is None:  # (seqs[0] alone: no candidate, plain)
-            waits[-1] += 1
-    assert waits == [1, 2, 4]
-    assert drafter.stats()["spec_decode_num_drafts"] == 4
+
+    def waits_after(emitted_by_verify: list[list[int]]) -> list[int]:
+        """The plain steps seqs[0] waits after each of these verifies."""
+        waits = []
+        for emitted in emitted_by_verify:
+            verified_with(emitted)
+            seqs[0].token_ids = [3, 4, 5, 3, 4]
+            waits.append(0)
+            while drafter.propose(seqs[:1], []) is None:  # (seqs[0] alone: no candidate, plain)
+                waits[-1] += 1
+        return waits
+
+    assert waits_after([[7]] * 4) == [0, 1, 2, 4]  # the first draft rejected: a miss
+    assert waits_after([[5, 9], [7], [7]]) == [0, 0, 1]  # an accepted draft resets it
+    assert drafter.stats()["spec_decode_num_drafts"] == 8
+    unrepeated = Sequence(3, [1, 2, 3], params, 16)  # nothing to copy: no drafts, and no miss
+    assert [drafter.propose([unrepeated], []) for _ in range(3)] == [None] * 3
+    assert drafter.backoff[unrepeated].misses == 0
 
 
 def test_drafts_only_once_the_batch_is_small_enough():

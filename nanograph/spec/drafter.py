@@ -14,10 +14,14 @@ accepted), so it loses overlap scheduling. It pays where a step's time is readin
 - no drafts in a step with prefill chunks (it runs on the mixed graphs, which have no verify
   rows), nor with more than `disable_by_batch_size` decode rows (vLLM's name; there the step is
   compute-bound, and k + 1 tokens a row cost about k + 1 times one);
-- per sequence, a backoff: after a verify that accepted none of its drafts, a sequence skips
-  drafting for 1 step, then 2, 4, ... up to MAX_BACKOFF steps while it keeps missing; one
-  accepted draft resets it. A sequence whose text never repeats thus drafts about once in
-  MAX_BACKOFF steps.
+- per sequence, a backoff: after two verifies in a row that accepted none of their drafts, a
+  sequence skips drafting for 1 step, then 2, 4, ... up to MAX_BACKOFF steps while it keeps
+  missing; one accepted draft resets it. A single miss is no sign: at a per-draft acceptance a
+  it comes with probability 1 - a (0.3 at 0.7), and skipping a step after each would swap about
+  one verify in three, worth 1 + a + ... + a^k tokens, for a plain step's one. Two in a row
+  ((1 - a)^2, 0.09) say the text stopped repeating. Drafts that keep missing are thus tried
+  about once in MAX_BACKOFF steps. A lookup that finds nothing to copy is no miss: it cost no
+  verify, and the next step looks again.
 A step in which no row gets drafts returns None: a plain step, overlapped as usual.
 
 The last token in flight. Under overlap scheduling a decoding sequence's last token is usually
@@ -113,11 +117,10 @@ class NgramDrafter:
         histories = [seq.token_ids[:len(seq) - guess] for seq, guess in zip(candidates, guessed)]
         counts = [self.config.num_speculative_tokens + guess for guess in guessed]
         drafts = {}
+        # (a lookup that finds nothing costs no verify: no miss, the next step looks again)
         for seq, guess, tokens in zip(candidates, guessed, self.lookup(histories, counts)):
             if tokens:
                 drafts[seq] = tokens[guess:]
-            else:
-                self.record(seq, accepted=0)  # nothing to copy from: a miss too
         return drafts or None
 
     def lookup(self, histories: list[list[int]], counts: list[int]) -> list[list[int]]:
@@ -143,7 +146,8 @@ class NgramDrafter:
         """The backoff after a verify of `seq` that accepted `accepted` drafts."""
         backoff = self.backoff.setdefault(seq, Backoff())
         backoff.misses = 0 if accepted else backoff.misses + 1
-        backoff.wait = min(2 ** backoff.misses // 2, MAX_BACKOFF)
+        # misses 1, 2, 3, 4, ...: waits 0, 1, 2, 4, ... (see above)
+        backoff.wait = min(2 ** backoff.misses // 4, MAX_BACKOFF)
 
     def close(self):
         """Nothing to free here (the draft model's drafter frees its engine)."""
