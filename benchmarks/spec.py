@@ -5,14 +5,14 @@ prompt lookup guess nothing, so the speculative engine's acceptance is decided b
 (spec_acceptance.py): random drafts, each accepted with the set probability, the engine doing
 exactly a real run's work at that acceptance. For each batch size the plain engine times the
 prompts (plain tokens/s; at batch sizes under MIN_SEQUENCES several batches in turn, so that a
-cell holds enough draft trials); then the speculative engine (k = SPEC_K) times them at each acceptance
-under two switch-off rules: drafts at every batch size (the mechanics: where drafts stop
-paying), and the default rule a user gets (`SpeculativeConfig.disable_by_batch_size`; the
+cell holds enough draft trials); then the speculative engine (k = SPEC_K) times them at each
+acceptance under two switch-off rules: drafts at every batch size (the mechanics: where drafts
+stop paying), and the default rule a user gets (`SpeculativeConfig.disable_by_batch_size`; the
 per-sequence backoff is on in both). Both are one engine, built with drafts allowed at every
-batch and its drafter's limit set per run (the default rule's engine would differ only in
-having fewer verify graphs). The measured acceptance is the per-draft rate the spec_decode
-counters imply; the issue's targets (TARGETS) are judged on the default rule's speed-up. The
-tokens are not the model's (accepted drafts are random), so there is no "same tokens" column.
+batch and its drafter's limit set per run (the default rule's engine would differ only in having
+fewer verify graphs). The measured acceptance is the per-draft rate the spec_decode counters
+imply; the issue's targets (TARGETS) are judged on the default rule's speed-up. The tokens are
+not the model's (accepted drafts are random), so there is no "same tokens" column.
 (b) The bundled demo model (a real checkpoint) on Python prompts, greedy, plain against its
 drafts at every batch size (as (a)'s first rule): acceptance, speedup (the fastest of three
 runs each), and how many sequences came out exactly as plain decoding's. In float32 every one
