@@ -6,22 +6,23 @@ prompt lookup guess nothing, so the speculative engine's acceptance is decided b
 exactly a real run's work at that acceptance. For each batch size the plain engine times the
 prompts (plain tokens/s; at batch sizes under MIN_SEQUENCES several batches in turn, so that a
 cell holds enough draft trials); then the speculative engine (k = SPEC_K) times them at each
-acceptance under two switch-off rules: drafts at every batch size (the mechanics: where drafts
-stop paying), and the default rule a user gets (`SpeculativeConfig.disable_by_batch_size`; the
+acceptance under two switch-off rules: drafts at every batch size and whatever the clock says
+(the mechanics: where drafts stop paying), and the default rule a user gets
+(`disable_by_batch_size` and the payoff rule, spec/payoff.py, measuring afresh each run; the
 per-sequence backoff is on in both). Both are one engine, built with drafts allowed at every
-batch and its drafter's limit set per run (the default rule's engine would differ only in having
+batch and its drafter's rules set per run (the default rule's engine would differ only in having
 fewer verify graphs). The measured acceptance is the per-draft rate the spec_decode counters
 imply; the issue's targets (TARGETS) are judged on the default rule's speed-up. The tokens are
 not the model's (accepted drafts are random), so there is no "same tokens" column.
 (b) The bundled demo model (a real checkpoint) on Python prompts, greedy, plain against its
-drafts at every batch size (as (a)'s first rule): acceptance, speedup (the fastest of three
-runs each), and how many sequences came out exactly as plain decoding's. In float32 every one
-does (tests/test_spec_engine.py); in bf16 a verify step computes its rows with the prefill
-kernels, a plain step with the decode kernels, and a near-tie can break the other way. The
-drafters: prompt lookup; and the demo model drafting for itself (a draft model as costly as its
-target: near-full acceptance, and the price of the draft engine's steps, an upper bound on its
-overhead rather than a gain). The demo model drafting for a larger dummy
-target is not meaningful (a dummy target accepts nothing), so not measured.
+drafts at every batch size, the payoff rule on: acceptance, speedup (the fastest of three runs
+each), and how many sequences came out exactly as plain decoding's. In float32 every one does
+(tests/test_spec_engine.py); in bf16 a verify step computes its rows with the prefill kernels, a
+plain step with the decode kernels, and a near-tie can break the other way. The drafters: prompt
+lookup; and the demo model drafting for itself (a draft model as costly as its target: near-full
+acceptance at the price of the draft engine's steps, which the payoff rule should turn off). The
+demo model drafting for a larger dummy target is not meaningful (a dummy target accepts
+nothing), so not measured.
 """
 import time
 from dataclasses import dataclass
@@ -102,9 +103,14 @@ def timed_batches(llm, batches: list[list], params, device) -> tuple[int, float]
 
 
 def time_forced(spec, batches: list[list], params, device, acceptance: float,
-                disable_by_batch_size: int) -> dict:
-    """`batches` timed at the set acceptance under the switch-off rule."""
+                disable_by_batch_size: int, payoff: bool) -> dict:
+    """`batches` timed at the set acceptance under the switch-off rule: drafts up to
+    `disable_by_batch_size` decode rows, and where they pay on the clock if `payoff` (a fresh
+    measure each run, as a new engine's)."""
+    from nanograph.spec.payoff import Payoff
     spec.spec.config.disable_by_batch_size = disable_by_batch_size
+    spec.spec.config.disable_by_payoff = payoff
+    spec.spec.drafter.payoff = Payoff()
     force_acceptance(spec, acceptance, seed=len(batches[0]))
     before = spec_counts(spec)
     tokens, seconds = timed_batches(spec, batches, params, device)
@@ -130,14 +136,14 @@ def mechanics(setup: Setup, batches, acceptances, prompt_len, new_tokens) -> lis
     default_rule = SpeculativeConfig(num_speculative_tokens=SPEC_K).disable_by_batch_size
     spec = setup.llm(**knobs, speculative_config={"method": "ngram", "num_speculative_tokens":
                                                   SPEC_K, "disable_by_batch_size": every_batch})
-    for rule in sorted({every_batch, default_rule}):  # warm-up
-        time_forced(spec, [prompts[:every_batch]], params, setup.device, 0.7, rule)
+    for rule in (every_batch, default_rule):  # warm-up
+        time_forced(spec, [prompts[:every_batch]], params, setup.device, 0.7, rule, payoff=True)
     rows = []
     for batch in batches:
         for acceptance in acceptances:
             run = (cell_batches(prompts, batch), params, setup.device, acceptance)
-            on = time_forced(spec, *run, every_batch)
-            default = on if batch <= default_rule else time_forced(spec, *run, default_rule)
+            on = time_forced(spec, *run, every_batch, payoff=False)
+            default = time_forced(spec, *run, default_rule, payoff=True)
             plain_tokens, plain_seconds = plain_runs[batch]
             rows.append({"batch": batch, "acceptance": acceptance,
                          "plain_tok_s": plain_tokens / plain_seconds,
@@ -152,9 +158,9 @@ def mechanics(setup: Setup, batches, acceptances, prompt_len, new_tokens) -> lis
 def print_mechanics(rows: list[dict], setup: Setup, prompt_len, new_tokens, default_rule):
     targets = [] if setup.args.quick else TARGETS.get(setup.name, [])
     print_table(f"--spec (a): forced acceptance (random drafts), k={SPEC_K}, {prompt_len}-token "
-                f"prompts, {new_tokens} new tokens\nspec: drafts at every batch; default: up to "
-                f"{default_rule} decode rows, as a user gets them (the same run up to there); "
-                f"targets: issue 55's (H100)",
+                f"prompts, {new_tokens} new tokens\nspec: drafts at every batch, the payoff rule "
+                f"off; default: up to {default_rule} decode rows and the payoff rule, as a user "
+                "gets them; targets: issue 55's (H100)",
                 ["batch", "acceptance", "plain tok/s", "spec tok/s", "speedup", "measured",
                  "accepted length", "default tok/s", "default speedup", "target"],
                 [[r["batch"], r["acceptance"], cell(r["plain_tok_s"], ".0f"),
@@ -173,7 +179,7 @@ def demo_drafts(setup: Setup, batches, new_tokens) -> list[dict]:
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     knobs = dict(device=setup.device, dtype=setup.dtype, max_model_len=1024)
     rows, plain = [], {}
-    every_batch = {"disable_by_batch_size": max(batches)}  # (a)'s mechanics: drafts at any batch
+    every_batch = {"disable_by_batch_size": max(batches)}  # drafts at any batch where they pay
     for name, config in [("plain", None), *DEMO_DRAFTS.items()]:
         llm = LLM(str(DEMO), **knobs, speculative_config=config and config | every_batch)
         for batch in batches:

@@ -84,7 +84,8 @@ def test_fp8_with_prefix_caching_preemption_drafts_and_lora(tiny_model, adapters
     cached, stats = fp8_tokens(path, prompts, generations=2, num_kvcache_blocks=14)
     assert cached == plain
     assert stats["prefix_cache_hit_tokens"] > 0 and stats["preemptions"] > 0
-    drafts = {"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 8}
+    drafts = {"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 8,
+              "disable_by_payoff": False}
     spec, stats = fp8_tokens(path, prompts, speculative_config=drafts)
     assert spec == plain and stats["spec_decode_num_drafts"] > 0
     requests = adapters("qwen3")

@@ -6,6 +6,45 @@ import random
 from nanograph.spec.ngram import propose_ngram as propose_ngram_fast
 
 
+# ---- the payoff rule ------------------------------------------------------------------------
+
+def test_the_payoff_rule_prices_a_verify_with_its_lost_overlap_and_its_drafts(monkeypatch):
+    """spec/payoff.py on a made-up clock: plain steps take 1 s; the step before a verify 1.25 s
+    (its update waited for the verify's drafts), the verify 1.25 s and the plain step after it
+    1.5 s (its host work no longer overlapped): the verify's price is 2 s, and no plain step is
+    measured with the drafts in it."""
+    from nanograph.spec import payoff as payoff_module
+    from nanograph.spec.payoff import PROBE_EVERY, WEIGHT, Payoff
+    now = 0.0
+    monkeypatch.setattr(payoff_module, "clock", lambda: now)
+    payoff = Payoff()
+
+    def step(kind: str, seconds: float):
+        nonlocal now
+        now += seconds
+        payoff.tick(kind)
+
+    step("prefill", 1.0)
+    for _ in range(3):
+        assert not payoff.allows()  # nothing drafts before a plain step is measured
+        step("decode", 1.0)
+    assert payoff.plain == 1.0 and payoff.allows()  # a verify's price: not yet known
+    for kind, seconds in (("decode", 1.25), ("verify", 1.25), ("decode", 1.5)):
+        step(kind, seconds)
+    assert payoff.plain == 1.0 and payoff.verify == 1.25 + 1.25 + 1.5 - 2 * 1.0
+    payoff.tokens = 2.5  # 2.5 tokens a row for 2 s, where plain steps give 2: drafts pay
+    assert payoff.allows()
+    payoff.tokens = 1.5  # they do not: only a probe, PROBE_EVERY prices after the last verify
+    last_verify = now - 1.5
+    now = last_verify + PROBE_EVERY * 2.0 - 0.1
+    assert not payoff.allows()
+    now += 0.1
+    assert payoff.allows()
+    step("verify", 1.0)  # a verify after a verify: its interval is its whole price
+    step("verify", 4.0)
+    assert payoff.verify == 2.0 + WEIGHT * (4.0 - 2.0)
+
+
 # ---- prompt lookup --------------------------------------------------------------------------
 
 def propose_ngram(tokens: list[int], num_speculative_tokens: int, prompt_lookup_min: int,
@@ -68,7 +107,7 @@ def test_bench_mechanics_run_at_the_set_acceptance(tmp_path):
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     spec = setup.llm(max_model_len=80, speculative_config={"num_speculative_tokens": SPEC_K})
     runs = {acceptance: time_forced(spec, [prompts], params, "cpu", acceptance,
-                                    disable_by_batch_size=len(prompts))
+                                    disable_by_batch_size=len(prompts), payoff=False)
             for acceptance in (1.0, 0.7)}
     spec.close()
     assert runs[1.0]["accepted_tokens"] == runs[1.0]["draft_tokens"] > 0

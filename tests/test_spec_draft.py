@@ -11,7 +11,8 @@ import torch
 from nanograph import LLM, SamplingParams
 from test_spec_engine import DEMO, KNOBS, PYTHON, assert_same, run_both
 
-DRAFT = {"num_speculative_tokens": 4, "disable_by_batch_size": 4}
+# (a draft model as costly as its target never pays: the payoff rule would turn these off)
+DRAFT = {"num_speculative_tokens": 4, "disable_by_batch_size": 4, "disable_by_payoff": False}
 
 
 def test_the_target_drafting_for_itself_has_its_drafts_accepted_and_plain_greedy_output():

@@ -4,6 +4,7 @@ models, seeded sampling with top-k / top-p, min_tokens, logprobs, stop strings a
 n > 1, preemption, prefix hits, chunked prefill, overlap scheduling. Rollback leaves the block
 tables and the prefix cache holding accepted tokens only. (Prompt lookup itself:
 tests/test_spec.py.)"""
+import time
 from pathlib import Path
 
 import pytest
@@ -16,9 +17,10 @@ from nanograph.spec.drafter import NgramDrafter, SpeculativeConfig
 from nanograph.spec.scheduler import VerifyBatch
 
 DEMO = str(Path(__file__).resolve().parents[1] / "nanograph" / "pretrained" / "pycoder")
-# drafts on up to 32 decode rows (the default, 2, would leave most of these batches without any)
+# drafts on up to 32 decode rows (the default, 2, would leave most of these batches without any),
+# whatever the clock says (the payoff rule measures wall time: its own tests below)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
-         "disable_by_batch_size": 32}
+         "disable_by_batch_size": 32, "disable_by_payoff": False}
 # repetitive Python: the demo model repeats itself, prompt lookup guesses it
 PYTHON = ["def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n",
           "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n\n",
@@ -131,10 +133,9 @@ def test_rollback_keeps_only_accepted_tokens_in_block_tables_and_prefix_cache():
 
 
 def test_the_switch_off_rule():
-    """No drafts above `disable_by_batch_size` decode rows or beside prefill chunks; a sequence
-    whose drafts miss backs off from its second miss in a row (0, 1, 2, 4, ... steps) until a
-    draft is accepted; a lookup that finds nothing is no miss; one whose last token is in flight
-    is drafted from the tokens before it, the guess of that token dropped."""
+    """No drafts above `disable_by_batch_size` decode rows or beside prefill chunks, nor where
+    lookup finds nothing to copy; a sequence whose last token is in flight is drafted from the
+    tokens before it, the guess of that token dropped; the counters count what was accepted."""
     config = SpeculativeConfig.parse(NGRAM | {"disable_by_batch_size": 2}, block_size=16)
     drafter = NgramDrafter(config)
     params = SamplingParams()
@@ -145,32 +146,39 @@ def test_the_switch_off_rule():
     seqs[1].token_ids.append(-1)  # a placeholder: [5] guesses it, the drafts follow the guess
     assert drafter.propose(seqs[:2], []) == {seqs[0]: [5, 3, 4, 5], seqs[1]: [3, 4, 5, 3]}
     seqs[1].token_ids.pop()
+    assert drafter.propose([Sequence(3, [1, 2, 3], params, 16)], []) is None
+    # seqs[0] computed [4, drafts] and the target emitted [5, 3, 9]: two drafts accepted
+    seqs[0].token_ids = [3, 4, 5, 3, 5, 3, 9]
+    drafter.verified(VerifyBatch(seqs=[seqs[0]], num_decodes=0, num_tokens=[5], starts=[3],
+                                 proposed={seqs[0]: [5, 3, 4, 5]}))
+    stats = drafter.stats()
+    assert (stats["spec_decode_num_drafts"], stats["spec_decode_num_draft_tokens"],
+            stats["spec_decode_num_accepted_tokens"]) == (1, 4, 2)
+    assert drafter.payoff.tokens == 3  # what the row got: its accepted drafts and one token
 
-    def verified_with(emitted):  # seqs[0] computed [4, drafts] and the target emitted these
-        seqs[0].token_ids = [3, 4, 5, 3] + emitted
-        drafter.verified(VerifyBatch(seqs=[seqs[0]], num_decodes=0, num_tokens=[5], starts=[3],
-                                     proposed={seqs[0]: [5, 3, 4, 5]}))
 
-    verified_with([5, 3, 9])
-    assert drafter.num_accepted_tokens == 2 and drafter.num_draft_tokens == 4
+@pytest.mark.parametrize("drafting_seconds", [0.0, 0.1])
+def test_the_payoff_rule_keeps_drafts_that_pay_and_stops_those_that_do_not(drafting_seconds):
+    """On the wall clock (spec/payoff.py): prompt lookup on repetitive Python pays (about 5
+    tokens a verify for little more than a plain step); the same drafts taking 0.1 s each to make
+    cost many plain steps a verify, and stop after the first ones measure that. The tokens are
+    plain greedy's either way."""
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    llm = LLM(DEMO, **KNOBS, speculative_config=NGRAM | {"disable_by_payoff": True})
+    lookup = llm.spec.drafter.proposer
 
-    def waits_after(emitted_by_verify: list[list[int]]) -> list[int]:
-        """The plain steps seqs[0] waits after each of these verifies."""
-        waits = []
-        for emitted in emitted_by_verify:
-            verified_with(emitted)
-            seqs[0].token_ids = [3, 4, 5, 3, 4]
-            waits.append(0)
-            while drafter.propose(seqs[:1], []) is None:  # (seqs[0] alone: no candidate, plain)
-                waits[-1] += 1
-        return waits
-
-    assert waits_after([[7]] * 4) == [0, 1, 2, 4]  # the first draft rejected: a miss
-    assert waits_after([[5, 9], [7], [7]]) == [0, 0, 1]  # an accepted draft resets it
-    assert drafter.stats()["spec_decode_num_drafts"] == 8
-    unrepeated = Sequence(3, [1, 2, 3], params, 16)  # nothing to copy: no drafts, and no miss
-    assert [drafter.propose([unrepeated], []) for _ in range(3)] == [None] * 3
-    assert drafter.backoff[unrepeated].misses == 0
+    def slow_lookup(tokens, count):
+        time.sleep(drafting_seconds)
+        return lookup(tokens, count)
+    llm.spec.drafter.proposer = slow_lookup
+    spec = llm.generate(PYTHON[:1], params, use_tqdm=False)
+    plain = LLM(DEMO, **KNOBS).generate(PYTHON[:1], params, use_tqdm=False)
+    assert_same(plain, spec)
+    steps = llm.stats()["steps"]
+    if drafting_seconds:
+        assert steps["verify"] <= 3 and steps["decode"] > 48
+    else:
+        assert steps["verify"] > 8 and steps["decode"] + steps["verify"] < 32
 
 
 def test_drafts_only_once_the_batch_is_small_enough():
@@ -188,6 +196,7 @@ def test_drafts_only_once_the_batch_is_small_enough():
     (NGRAM | {"prompt_lookup_max": "3"}, "prompt_lookup_max"),
     (NGRAM | {"method": "eagle"}, "method"),
     (NGRAM | {"lookup": 2}, "lookup"),
+    (NGRAM | {"disable_by_payoff": "no"}, "disable_by_payoff"),
     ("ngram", "must be a dict"),
 ])
 def test_bad_speculative_configs_are_refused_naming_the_key(config, key):

@@ -253,7 +253,8 @@ def test_tp2_mixed_graphs_match_tp1_on_gpu(tiny_model):
 def test_tp2_with_a_draft_model_matches_tp1(tiny_model):
     """Speculative decoding with a draft model (the target's own weights) on a tensor-parallel
     target: the draft engine runs in the main process beside rank 0; the tokens are tp=1's."""
-    draft = {"model": tiny_model("qwen3"), "num_speculative_tokens": 3, "disable_by_batch_size": 2}
+    draft = {"model": tiny_model("qwen3"), "num_speculative_tokens": 3, "disable_by_batch_size": 2,
+             "disable_by_payoff": False}
     (one, _), (two, stats) = greedy_tokens(tiny_model("qwen3"), random_prompts([5, 23]),
                                            speculative_config=draft)
     assert two == one

@@ -3,7 +3,7 @@
 The scheduler (scheduler.py) asks `propose` for each step's decode rows, appends the
 drafts to their tokens and turns the rows into verify chunks; after the step, `update` cuts each
 sequence at its first rejected draft and calls `verified`, where the drafter counts what was
-accepted (vLLM's `spec_decode_*` counters) and adjusts its switch-off rule. The drafts
+accepted (vLLM's `spec_decode_*` counters) and what a verify gives a row. The drafts
 themselves come from `lookup`: prompt lookup here, a draft model in its subclass
 (draft_model.py); the rest is the same for both.
 
@@ -14,14 +14,10 @@ accepted), so it loses overlap scheduling. It pays where a step's time is readin
 - no drafts in a step with prefill chunks (it runs on the mixed graphs, which have no verify
   rows), nor with more than `disable_by_batch_size` decode rows (vLLM's name; there the step is
   compute-bound, and k + 1 tokens a row cost about k + 1 times one);
-- per sequence, a backoff: after two verifies in a row that accepted none of their drafts, a
-  sequence skips drafting for 1 step, then 2, 4, ... up to MAX_BACKOFF steps while it keeps
-  missing; one accepted draft resets it. A single miss is no sign: at a per-draft acceptance a
-  it comes with probability 1 - a (0.3 at 0.7), and skipping a step after each would swap about
-  one verify in three, worth 1 + a + ... + a^k tokens, for a plain step's one. Two in a row
-  ((1 - a)^2, 0.09) say the text stopped repeating. Drafts that keep missing are thus tried
-  about once in MAX_BACKOFF steps. A lookup that finds nothing to copy is no miss: it cost no
-  verify, and the next step looks again.
+- on the clock (payoff.py, `disable_by_payoff`): no drafts while the tokens a verify gives a row
+  do not pay for the verify's measured price, but for a probe now and then. Whether drafts pay
+  depends on the model, the GPU, the host and the text at once; the clock sees all of them.
+  A lookup that finds nothing to copy costs no verify: the next step looks again.
 A step in which no row gets drafts returns None: a plain step, overlapped as usual.
 
 The last token in flight. Under overlap scheduling a decoding sequence's last token is usually
@@ -32,14 +28,12 @@ first draft, the guess of the token in flight, is dropped: the rest continue tha
 verify step then goes out while the step before it is still running (its chunk's first token a
 placeholder like any decode row's), and if the guess was wrong its drafts are simply rejected.
 """
-import weakref
 from dataclasses import dataclass
 from functools import partial
 
 from nanograph.engine.sequence import Status
 from nanograph.spec.ngram import propose_ngram
-
-MAX_BACKOFF = 16
+from nanograph.spec.payoff import Payoff, running_mean
 
 
 @dataclass
@@ -49,6 +43,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
     disable_by_batch_size: int = 2  # where drafts stop paying: docs/performance.md
+    disable_by_payoff: bool = True  # no drafts while they do not pay on the clock (payoff.py)
     method: str = "ngram"           # or "draft_model", implied by "model"
     model: str | None = None        # the draft model's path (draft_model.py)
 
@@ -72,6 +67,9 @@ class SpeculativeConfig:
         if "num_speculative_tokens" not in values:
             raise ValueError("speculative_config needs 'num_speculative_tokens'")
         config = cls(**values | {"method": method})
+        if config.disable_by_payoff not in (True, False):
+            raise ValueError("speculative_config['disable_by_payoff'] must be a bool, got "
+                             f"{config.disable_by_payoff!r}")
         for key, low, high in (("num_speculative_tokens", 1, block_size - 1),
                                ("prompt_lookup_max", 1, 64),
                                ("prompt_lookup_min", 1, config.prompt_lookup_max),
@@ -83,44 +81,28 @@ class SpeculativeConfig:
         return config
 
 
-@dataclass
-class Backoff:
-    misses: int = 0  # verifies in a row that accepted none of its drafts
-    wait: int = 0    # steps left before it drafts again
-
-
 class NgramDrafter:
     def __init__(self, config: SpeculativeConfig):
         self.config = config
         # (token ids, k) -> up to k drafts
         self.proposer = partial(propose_ngram, prompt_lookup_min=config.prompt_lookup_min,
                                 prompt_lookup_max=config.prompt_lookup_max)
-        self.backoff: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # seq -> Backoff
+        self.payoff = Payoff()
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
 
     def propose(self, decodes: list, prefills: list) -> dict | None:
         """Drafts for the decode rows that get some: {sequence: drafts}; None: a plain step."""
-        if prefills or len(decodes) > self.config.disable_by_batch_size:
-            return None
-        candidates = []
-        for seq in decodes:
-            backoff = self.backoff.setdefault(seq, Backoff())
-            if backoff.wait:
-                backoff.wait -= 1
-            else:
-                candidates.append(seq)
-        if not candidates:
+        if (prefills or len(decodes) > self.config.disable_by_batch_size
+                or self.config.disable_by_payoff and not self.payoff.allows()):
             return None
         # 1 where the last token is a placeholder, in flight: draft from the tokens before it,
         # one more, the first a guess of that token (dropped)
-        guessed = [int(seq.token_ids[-1] < 0) for seq in candidates]
-        histories = [seq.token_ids[:len(seq) - guess] for seq, guess in zip(candidates, guessed)]
+        guessed = [int(seq.token_ids[-1] < 0) for seq in decodes]
+        histories = [seq.token_ids[:len(seq) - guess] for seq, guess in zip(decodes, guessed)]
         counts = [self.config.num_speculative_tokens + guess for guess in guessed]
-        drafts = {}
-        # (a lookup that finds nothing costs no verify: no miss, the next step looks again)
-        for seq, guess, tokens in zip(candidates, guessed, self.lookup(histories, counts)):
-            if tokens:
-                drafts[seq] = tokens[guess:]
+        drafts = {seq: tokens[guess:]
+                  for seq, guess, tokens in zip(decodes, guessed, self.lookup(histories, counts))
+                  if tokens}  # (a lookup that finds nothing: the next step looks again)
         return drafts or None
 
     def lookup(self, histories: list[list[int]], counts: list[int]) -> list[list[int]]:
@@ -129,8 +111,7 @@ class NgramDrafter:
         return [self.proposer(history, count) for history, count in zip(histories, counts)]
 
     def verified(self, batch):
-        """After the scheduler's update of the verify step `batch`: count what its drafts got,
-        and back off."""
+        """After the scheduler's update of the verify step `batch`: count what its drafts got."""
         for seq, start, num_tokens in zip(batch.seqs, batch.starts, batch.num_tokens):
             drafts = batch.proposed.get(seq, [])[:num_tokens - 1]  # (the scheduler may cut them)
             if not drafts or seq.status == Status.FINISHED:  # (its token in flight ended it)
@@ -140,14 +121,7 @@ class NgramDrafter:
             self.num_drafts += 1
             self.num_draft_tokens += len(drafts)
             self.num_accepted_tokens += accepted
-            self.record(seq, accepted)
-
-    def record(self, seq, accepted: int):
-        """The backoff after a verify of `seq` that accepted `accepted` drafts."""
-        backoff = self.backoff.setdefault(seq, Backoff())
-        backoff.misses = 0 if accepted else backoff.misses + 1
-        # misses 1, 2, 3, 4, ...: waits 0, 1, 2, 4, ... (see above)
-        backoff.wait = min(2 ** backoff.misses // 4, MAX_BACKOFF)
+            self.payoff.tokens = running_mean(self.payoff.tokens, 1 + accepted)
 
     def close(self):
         """Nothing to free here (the draft model's drafter frees its engine)."""

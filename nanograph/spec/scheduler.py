@@ -73,6 +73,7 @@ class SpeculativeScheduler(Scheduler):
         return count
 
     def update(self, batch: Batch, sampled: list[int], *logprobs):
+        self.drafter.payoff.tick(batch.kind)  # (the steps' prices: payoff.py)
         if not isinstance(batch, VerifyBatch):  # a plain step: no drafts among its rows
             return super().update(batch, sampled, *logprobs)
         for seq in batch.seqs:
