@@ -8,12 +8,12 @@ prompts (plain tokens/s; at batch sizes under MIN_SEQUENCES several batches in t
 cell holds enough draft trials); then the speculative engine (k = SPEC_K) times them at each
 acceptance under two switch-off rules: drafts at every batch size and whatever the clock says
 (the mechanics: where drafts stop paying), and the default rule a user gets
-(`disable_by_batch_size` and the payoff rule, spec/payoff.py, measuring afresh each run; the
-per-sequence backoff is on in both). Both are one engine, built with drafts allowed at every
-batch and its drafter's rules set per run (the default rule's engine would differ only in having
-fewer verify graphs). The measured acceptance is the per-draft rate the spec_decode counters
-imply; the issue's targets (TARGETS) are judged on the default rule's speed-up. The tokens are
-not the model's (accepted drafts are random), so there is no "same tokens" column.
+(`disable_by_batch_size` and the payoff rule, spec/payoff.py, measuring afresh each run). Both
+are one engine, built with drafts allowed at every batch and its drafter's rules set per run
+(the default rule's engine would differ only in having fewer verify graphs). The measured
+acceptance is the per-draft rate the spec_decode counters imply; the issue's targets (TARGETS)
+are judged on the default rule's speed-up. The tokens are not the model's (accepted drafts are
+random), so there is no "same tokens" column.
 (b) The bundled demo model (a real checkpoint) on Python prompts, greedy, plain against its
 drafts at every batch size, the payoff rule on: acceptance, speedup (the fastest of three runs
 each), and how many sequences came out exactly as plain decoding's. In float32 every one does
@@ -37,8 +37,8 @@ SPEC_K = 4
 ACCEPTANCES = (0.0, 0.5, 0.7, 0.9)
 BATCHES = (1, 4, 16, 64)
 # a cell times at least this many sequences, small batches one batch after another: a batch-1
-# run of 128 tokens is only about 50 verifies, whose share of plain steps (backoff) and tokens
-# a verify swings from seed to seed as much as a few points of acceptance would
+# run of 128 tokens is only about 50 verifies, whose tokens a verify swing from seed to seed as
+# much as a few points of acceptance would
 MIN_SEQUENCES = 8
 PROMPT_LEN, NEW_TOKENS = 128, 128
 DEMO = Path(__file__).resolve().parents[1] / "nanograph" / "pretrained" / "pycoder"

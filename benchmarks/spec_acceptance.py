@@ -15,8 +15,8 @@ by draft, a seeded Bernoulli trial at the set rate:
 - the first failure: the row keeps the target's token (another one, should it equal the draft),
   and the speculative rule rejects that draft and cuts the ones after it, as in any run.
 So the engine does exactly the work of a real run at that acceptance (the same verify steps,
-rollbacks, backoff, tokens per step, counters), and the drafts' values do not matter:
-`RandomDrafts` drafts k random tokens for every row. The emitted tokens are then not the
+rollbacks, switch-off decisions, tokens per step, counters), and the drafts' values do not
+matter: `RandomDrafts` drafts k random tokens for every row. The emitted tokens are then not the
 model's (accepted drafts are random tokens): only the timings and the counters mean anything.
 
 At per-draft acceptance a, a verify of k drafts accepts j < k of them with probability

@@ -92,8 +92,9 @@ class NgramDrafter:
 
     def propose(self, decodes: list, prefills: list) -> dict | None:
         """Drafts for the decode rows that get some: {sequence: drafts}; None: a plain step."""
-        if (prefills or len(decodes) > self.config.disable_by_batch_size
-                or self.config.disable_by_payoff and not self.payoff.allows()):
+        if prefills or len(decodes) > self.config.disable_by_batch_size:
+            return None
+        if self.config.disable_by_payoff and not self.payoff.allows():
             return None
         # 1 where the last token is a placeholder, in flight: draft from the tokens before it,
         # one more, the first a guess of that token (dropped)

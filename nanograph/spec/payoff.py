@@ -55,7 +55,8 @@ class Payoff:
             self.plain = running_mean(self.plain, times[-2] - times[-3])
         if kinds[-2:] == ("verify",) * 2:
             self.verify = running_mean(self.verify, times[-1] - times[-2])
-        if kinds == ("decode", "decode", "verify", "decode"):  # (drafts waited for `plain`)
+        # (`plain` is measured here: nothing drafts before it is)
+        if kinds == ("decode", "decode", "verify", "decode"):
             self.verify = running_mean(self.verify, times[-1] - times[-4] - 2 * self.plain)
         if kind == "verify":
             self.last_verify = times[-1]
