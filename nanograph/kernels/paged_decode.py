@@ -44,10 +44,13 @@ Hkv programs of one sequence run side by side, and as they walk their tiles toge
 each key's ``[Hkv, D]`` row, contiguous in the cache, as a whole, instead of ``D``-element pieces
 of rows whose other heads are read at another time (another DRAM page opening each).
 
-FP8. A float8_e4m3fn cache (kv_store.py) is loaded as bytes and widened in registers before the
-products (to float16 beside a bfloat16 model: tiles.py); k_scale multiplies the softmax scale
-and v_scale the output, so the loop does no extra work a key. The new token's row is rounded to
-e4m3 before the fused path splices it in, so this step reads what later steps will.
+FP8. A float8_e4m3fn cache (kv_store.py) is loaded as bytes and widened in registers as it is
+loaded (to float16 beside a bfloat16 model: tiles.py); k_scale multiplies the softmax scale
+and v_scale the output, so the loop does no extra work a key. On the fused path the first tile
+is widened before the wait, while the kernels before this one still run, so at batch 1 the
+widening is off the step's critical path. The new token's row is rounded to e4m3 and widened
+back before the fused path splices it in, so this step reads what later steps will, and the
+splice selects 16-bit values (a select of bytes costs the GPU a shuffle of each byte).
 
 The plan, from static shapes only:
 - split path: ``B * Hkv * num_splits >= SPLIT_WAVES * SMs``, waves of programs rounded up, so the
@@ -187,10 +190,13 @@ def _decode_kernel(
 
     # BLOCK_N divides BLOCK_SIZE: a tile sits in one cache block
     table = block_tables_ptr + seq * stride_bt
-    if FUSED:
+    # the products' dtype: the model's, or float16 beside an fp8 cache (tiles.py)
+    product_dtype = tl.float16 if FP16_PRODUCTS else q_ptr.dtype.element_ty
+    if FUSED:  # (an fp8 tile is widened here, while the kernels before us still run)
         keys, k, v = load_kv_tile(
             k_cache_ptr, v_cache_ptr, table, tile_begin * BLOCK_N, context_len, kv_head, dims,
-            dim_mask, stride_cache_block, stride_cache_slot, stride_cache_head, BLOCK_SIZE, BLOCK_N)
+            dim_mask, stride_cache_block, stride_cache_slot, stride_cache_head, BLOCK_SIZE, BLOCK_N,
+            product_dtype)
         cos, sin = rotary_angles(cos_ptr, sin_ptr, tl.load(pos_ptr + seq), stride_rope, half,
                                  D_PAD)
         wait_for_previous_kernel(PDL)
@@ -215,25 +221,23 @@ def _decode_kernel(
     else:
         q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + dims[None, :],
                     mask=out_mask, other=0.0)
-    if FP16_PRODUCTS:  # an fp8 cache's tiles then widen to float16 (tiles.py)
-        q = q.to(tl.float16)
+    q = q.to(product_dtype)
 
     for tile in range(tile_begin, tile_end):
         if not FUSED or tile > tile_begin:  # (the fused path loaded its first tile before the wait)
             keys, k, v = load_kv_tile(
                 k_cache_ptr, v_cache_ptr, table, tile * BLOCK_N, context_len, kv_head, dims,
                 dim_mask, stride_cache_block, stride_cache_slot, stride_cache_head, BLOCK_SIZE,
-                BLOCK_N)
+                BLOCK_N, product_dtype)
         if FUSED:  # the new token's row in the cache is stale (or unwritten): use the registers
             is_new = (keys == context_len - 1)[:, None]
-            k = tl.where(is_new, k_new, k)
-            v = tl.where(is_new, v_new, v)
-        # an fp8 cache's tile is widened here, in registers (a no-op for the model's dtype)
-        scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale
+            k = tl.where(is_new, k_new.to(product_dtype), k)
+            v = tl.where(is_new, v_new.to(product_dtype), v)
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
         # [GROUP_PAD, BLOCK_N]
         scores = tl.where((keys < context_len)[None, :], scores, float("-inf"))
         # Every tile in range holds at least one real key, so the running max stays finite.
-        m_i, l_i, acc = online_softmax_step(scores, v.to(q.dtype), m_i, l_i, acc, DOT_PRECISION)
+        m_i, l_i, acc = online_softmax_step(scores, v, m_i, l_i, acc, DOT_PRECISION)
     acc = acc * v_scale
     num_working = tl.cdiv(num_tiles, tiles_per_split)
     if num_working == 1:  # the only split: no partials to merge

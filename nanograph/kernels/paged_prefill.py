@@ -75,13 +75,13 @@ def _prefill_kernel(
         keys, k, v = load_kv_tile(
             k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt, kv_start, kv_end,
             kv_head, dims, dim_mask, stride_cache_block, stride_cache_slot, stride_cache_head,
-            BLOCK_SIZE, BLOCK_N)
-        scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale
+            BLOCK_SIZE, BLOCK_N, q.dtype)
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
         # Causal mask; it also hides keys >= kv_end from every real query.
         scores = tl.where(keys[None, :] <= q_pos[:, None], scores, float("-inf"))
         # Key 0 is visible to every row, so after the first tile m_i is finite
         # and rows that see nothing in a later tile just get p == 0.
-        m_i, l_i, acc = online_softmax_step(scores, v.to(q.dtype), m_i, l_i, acc, DOT_PRECISION)
+        m_i, l_i, acc = online_softmax_step(scores, v, m_i, l_i, acc, DOT_PRECISION)
 
     out = acc * v_scale / l_i[:, None]
     tl.store(out_ptr + (q_start + rows)[:, None] * stride_on + head * stride_oh + dims[None, :],

@@ -9,8 +9,8 @@
   never held at once. The caller divides acc by l at the end.
 - `fp16_products`: the dtype the products take beside an FP8 cache (below).
 
-An FP8 (e4m3) tile is widened in registers before its products. To float16 that is one
-instruction per two values; to bfloat16 it is several (the GPU has no direct conversion), and
+An FP8 (e4m3) tile is widened in registers as it is loaded, before its products. To float16
+that is one instruction per two values; to bfloat16 it is several (the GPU has no direct conversion), and
 at the bandwidth limit they are on the critical path. Every e4m3 value is exact in float16, and
 so is every bfloat16 query (8 significant bits within float16's 11, its range far inside
 +-65504 after qk-norm), as are the softmax weights in [0, 1] to float16's finer rounding. So
@@ -24,16 +24,17 @@ import triton.language as tl
 @triton.jit
 def load_kv_tile(k_cache_ptr, v_cache_ptr, table_ptr, first_key, key_end, kv_head, dims, dim_mask,
                  stride_cache_block, stride_cache_slot, stride_cache_head, BLOCK_SIZE: tl.constexpr,
-                 BLOCK_N: tl.constexpr):
+                 BLOCK_N: tl.constexpr, dtype: tl.constexpr):
     """Keys first_key .. first_key + BLOCK_N - 1 of the sequence whose block table is at table_ptr:
-    their indices [BLOCK_N], and their K and V rows [BLOCK_N, len(dims)] (0 past key_end)."""
+    their indices [BLOCK_N], and their K and V rows [BLOCK_N, len(dims)] (0 past key_end), widened
+    to the products' dtype."""
     keys = first_key + tl.arange(0, BLOCK_N)
     block = tl.load(table_ptr + first_key // BLOCK_SIZE).to(tl.int64)
     offs = (block * stride_cache_block + (keys % BLOCK_SIZE) * stride_cache_slot
             + kv_head * stride_cache_head)[:, None] + dims[None, :]
     mask = (keys < key_end)[:, None] & dim_mask[None, :]
-    return (keys, tl.load(k_cache_ptr + offs, mask=mask, other=0.0),
-            tl.load(v_cache_ptr + offs, mask=mask, other=0.0))
+    return (keys, tl.load(k_cache_ptr + offs, mask=mask, other=0.0).to(dtype),
+            tl.load(v_cache_ptr + offs, mask=mask, other=0.0).to(dtype))
 
 
 @triton.jit
