@@ -44,8 +44,8 @@ Hkv programs of one sequence run side by side, and as they walk their tiles toge
 each key's ``[Hkv, D]`` row, contiguous in the cache, as a whole, instead of ``D``-element pieces
 of rows whose other heads are read at another time (another DRAM page opening each).
 
-FP8. A float8_e4m3fn cache (kv_store.py) is loaded as bytes and widened in registers as it is
-loaded (to float16 beside a bfloat16 model: tiles.py); k_scale multiplies the softmax scale
+FP8. A float8_e4m3fn cache (kv_store.py) is read as bytes, each tile widened in registers as it
+is loaded (to float16 beside a bfloat16 model: tiles.py); k_scale multiplies the softmax scale
 and v_scale the output, so the loop does no extra work a key. On the fused path the first tile
 is widened before the wait, while the kernels before this one still run, so at batch 1 the
 widening is off the step's critical path. The new token's row is rounded to e4m3 and widened

@@ -10,11 +10,12 @@
 - `fp16_products`: the dtype the products take beside an FP8 cache (below).
 
 An FP8 (e4m3) tile is widened in registers as it is loaded, before its products. To float16
-that is one instruction per two values; to bfloat16 it is several (the GPU has no direct conversion), and
-at the bandwidth limit they are on the critical path. Every e4m3 value is exact in float16, and
-so is every bfloat16 query (8 significant bits within float16's 11, its range far inside
-+-65504 after qk-norm), as are the softmax weights in [0, 1] to float16's finer rounding. So
-beside a bfloat16 model the kernels multiply in float16, with float32 accumulation as always.
+that is one instruction per two values; to bfloat16 it is several (the GPU has no direct
+conversion), and at the bandwidth limit they are on the critical path. Every e4m3 value is
+exact in float16, and so is every bfloat16 query (8 significant bits within float16's 11, its
+range far inside +-65504 after qk-norm), as are the softmax weights in [0, 1] to float16's
+finer rounding. So beside a bfloat16 model the kernels multiply in float16, with float32
+accumulation as always.
 """
 import torch
 import triton
@@ -27,7 +28,7 @@ def load_kv_tile(k_cache_ptr, v_cache_ptr, table_ptr, first_key, key_end, kv_hea
                  BLOCK_N: tl.constexpr, dtype: tl.constexpr):
     """Keys first_key .. first_key + BLOCK_N - 1 of the sequence whose block table is at table_ptr:
     their indices [BLOCK_N], and their K and V rows [BLOCK_N, len(dims)] (0 past key_end), widened
-    to the products' dtype."""
+    to dtype, the products' (an fp8 cache's bytes in registers)."""
     keys = first_key + tl.arange(0, BLOCK_N)
     block = tl.load(table_ptr + first_key // BLOCK_SIZE).to(tl.int64)
     offs = (block * stride_cache_block + (keys % BLOCK_SIZE) * stride_cache_slot
